@@ -1,0 +1,1 @@
+"""The dataset readers, one per file; :mod:`calibration.registry` maps names to them."""

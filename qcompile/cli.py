@@ -1,0 +1,129 @@
+"""The ``qcompile`` command line.
+
+Every :class:`QCompileError` is printed as its message alone (what / at / why / next) and the
+process exits with the error's code (2; 1 for failed accuracy checks). Anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from qcompile.errors import AccuracyError, QCompileError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="qcompile: quantize a PyTorch model with PT2E and compile it to int8.")
+
+RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML file, e.g. recipes/digits_cnn.yaml")]
+TargetOpt = Annotated[list[str] | None, typer.Option(
+    "--target", "-t", help="target to run (repeatable); default: the recipe's targets")]
+OutOpt = Annotated[Path | None, typer.Option(
+    "--out", "-o", help="output folder for report.json/report.md; default: out/<recipe name>")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")]
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except QCompileError as err:
+            typer.echo(f"qcompile: error: {err}", err=True)
+            raise typer.Exit(err.exit_code) from None
+
+    return wrapper
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="qcompile: %(levelname)s: %(message)s")
+
+
+def _run(recipe_path: Path, target: list[str] | None, out: Path | None,
+         quiet: bool) -> dict[str, Any]:
+    from qcompile.pipeline import run_recipe, write_outputs
+    from qcompile.recipe import TARGETS, load_recipe
+
+    recipe = load_recipe(recipe_path)
+    for t in target or ():
+        if t not in TARGETS:
+            from qcompile.errors import RecipeError
+
+            raise RecipeError(f"unknown target {t!r}", at="--target",
+                              why=f"valid targets: {', '.join(TARGETS)}",
+                              next="pass one of the valid targets")
+    report = run_recipe(recipe, targets=target, progress=not quiet and sys.stderr.isatty())
+    out_dir = out or Path("out") / recipe.name
+    json_path, md_path = write_outputs(report, out_dir)
+    _print_summary(report)
+    typer.echo(f"wrote {json_path} and {md_path}")
+    return report
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    for name, t in report["targets"].items():
+        if t["status"] != "ok":
+            typer.echo(f"{name:10} {t['status']}: {t.get('reason', '')}")
+            continue
+        a = t["accuracy"]
+        c = a["compare"]
+        extra = "".join(f", {k} float {a['float'][k]:.4f} int8 {a['int8'][k]:.4f}"
+                        for k in a["int8"])
+        typer.echo(f"{name:10} sqnr {c['sqnr_db']:.1f} dB, cosine {c['cosine']:.5f}"
+                   + (f", top1 agreement {c['top1_agreement']:.4f}" if "top1_agreement" in c
+                      else "") + extra + f"  [{'PASS' if a['passed'] else 'FAIL'}]")
+    for ch in report["accuracy"].get("checks", []):
+        if not ch["passed"]:
+            typer.echo(f"  failed: {ch['key']} {ch['threshold']} (measured {ch['value']}) "
+                       f"{ch['note']}")
+
+
+@app.command()
+@_user_errors
+def run(recipe: RecipeArg, target: TargetOpt = None, out: OutOpt = None,
+        quiet: QuietOpt = False) -> None:
+    """Quantize → compile → check accuracy → write report.json and report.md."""
+    _setup_logging()
+    _run(recipe, target, out, quiet)
+
+
+@app.command()
+@_user_errors
+def check(recipe: RecipeArg, target: TargetOpt = None, out: OutOpt = None,
+          quiet: QuietOpt = False) -> None:
+    """Like ``run``, then exit 1 when any accuracy threshold of the recipe fails."""
+    _setup_logging()
+    report = _run(recipe, target, out, quiet)
+    failed = [n for n, t in report["targets"].items()
+              if t["status"] == "ok" and not t["accuracy"]["passed"]]
+    ran = [n for n, t in report["targets"].items() if t["status"] == "ok"]
+    if failed or not ran:
+        raise AccuracyError(
+            "accuracy check failed" if failed else "accuracy check ran on no target",
+            at=str(recipe), why=f"thresholds missed on: {', '.join(failed)}" if failed
+            else "every requested target was unavailable",
+            next="see report.md for the measured values")
+    typer.echo("accuracy check passed")
+
+
+@app.command("models")
+def models() -> None:
+    """List the zoo models."""
+    from qcompile import zoo
+
+    for name in zoo.names():
+        typer.echo(name)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The PT2E front end: ``torch.export`` → ``prepare_pt2e`` → calibrate → ``convert_pt2e``.
+
+The result is the Q/DQ graph PT2E defines (float ops between quantize/dequantize pairs), wrapped in
+a :class:`QuantizedModel` that also counts what was quantized. Known pitfalls handled here: dead
+code left in the exported graph (an unused pooler makes the quantizer trip over nodes nobody reads),
+and calibration at batch sizes other than the example's (the batch dimension is exported dynamic).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from calibration.protocol import Batch
+from qcompile.errors import ModelError, QuantizationError, RecipeError
+
+log = logging.getLogger("qcompile")
+
+QUANT_OPS = frozenset({"quantize_per_tensor", "quantize_per_channel", "quantize_per_tensor_tensor"})
+DEQUANT_OPS = frozenset(
+    {"dequantize_per_tensor", "dequantize_per_channel", "dequantize_per_tensor_tensor"})
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """How to quantize; mirrors the recipe's ``quantizer`` and ``calibration.method`` keys."""
+
+    quantizer: str = "x86"
+    weights: str = "per_channel_symmetric"
+    activations: str = "per_tensor_affine"
+    method: str = "histogram"
+    method_options: dict[str, Any] = field(default_factory=dict)
+    skip: tuple[str, ...] = ()
+    max_batch: int = 64
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> QuantizeConfig:
+        q, c = recipe.quantizer, recipe.calibration
+        return cls(q.kind, q.weights, q.activations, c.method, dict(c.method_options),
+                   tuple(q.skip), recipe.model.max_batch)
+
+
+@dataclass
+class QuantizedModel:
+    """A PT2E-converted model: ``module`` is the Q/DQ ``GraphModule``; calling it runs PT2E's
+    float simulation of int8 (the "pt2e" target)."""
+
+    module: torch.fx.GraphModule
+    float_module: nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    config: QuantizeConfig
+    quantized_ops: dict[str, int]
+    calibration_batches: int
+    dynamic_batch: bool
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return self.module(*inputs)
+
+
+def import_torchao() -> None:
+    """Import torchao's PT2E modules with its start-up chatter (optional CUDA kernels that cannot
+    load on a CPU machine) kept out of the user's terminal."""
+    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
+    finally:
+        for lg, level in zip(quiet, levels, strict=True):
+            lg.setLevel(level)
+
+
+def export_model(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
+                 max_batch: int = 64) -> tuple[torch.export.ExportedProgram, bool]:
+    """Export with a dynamic batch dimension when the model allows it, else with static shapes.
+
+    Returns the program and whether its batch dimension is dynamic.
+    """
+    module = module.eval()
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    dynamic = tuple({0: batch} for _ in example_inputs)
+    # an example batch of 1 gets specialised to the constant 1; trace with 2 rows instead
+    traced = tuple(x.repeat(2, *([1] * (x.dim() - 1))) if x.shape[0] == 1 else x
+                   for x in example_inputs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.export.export(module, traced, dynamic_shapes=dynamic), True
+    except Exception as err:  # noqa: BLE001 - any export failure means "try static shapes"
+        log.info("dynamic-batch export failed (%s); exporting static shapes", str(err)[:200])
+    try:
+        return torch.export.export(module, example_inputs), False
+    except Exception as err:
+        raise ModelError(
+            f"torch.export failed for {type(module).__name__}",
+            at=f"{type(module).__module__}.{type(module).__qualname__}",
+            why=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+            next="make the model exportable (no data-dependent Python control flow); see "
+                 "the torch.export documentation on graph breaks") from err
+
+
+def _prepared_graph(exported: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    gm = exported.module()
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def make_quantizer(config: QuantizeConfig, module: nn.Module) -> Any:
+    """The torchao quantizer for ``config``, with ``config.skip`` modules left in float."""
+    import_torchao()
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import X86InductorQuantizer
+
+    from calibration.methods import x86_config
+
+    qconfig = x86_config(config.method, per_channel=config.weights == "per_channel_symmetric",
+                         symmetric_activations=config.activations == "per_tensor_symmetric",
+                         **config.method_options)
+    quantizer = X86InductorQuantizer()
+    quantizer.set_global(qconfig)
+    names = dict(module.named_modules())
+    for name in config.skip:
+        if name not in names:
+            _raise_unknown_skip(name, names)
+        quantizer.set_module_name_qconfig(name, None)
+    return quantizer
+
+
+def _raise_unknown_skip(name: str, names: dict[str, nn.Module]) -> None:
+    import difflib
+
+    close = difflib.get_close_matches(name, [n for n in names if n], n=3)
+    raise RecipeError(
+        f"quantizer.skip names a module the model does not have: {name!r}",
+        at="quantizer.skip", why=f"closest module names: {', '.join(close) or '(none)'}",
+        next="use names from model.named_modules(), e.g. 'layer1.0.conv1'")
+
+
+def quantize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
+             calibration: Iterable[Batch | tuple[torch.Tensor, ...]],
+             config: QuantizeConfig | None = None, *, progress: bool = False) -> QuantizedModel:
+    """Quantize ``model`` with PT2E, calibrating on every batch of ``calibration``."""
+    import_torchao()
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    config = config or QuantizeConfig()
+    exported, dynamic = export_model(model, example_inputs, max_batch=config.max_batch)
+    prepared = prepare_pt2e(_prepared_graph(exported), make_quantizer(config, model))
+    count = _calibrate(prepared, calibration, example_inputs, dynamic, progress)
+    converted = convert_pt2e(prepared)
+    ops = count_quantized_ops(converted)
+    if not ops:
+        raise QuantizationError(
+            f"PT2E quantized nothing in {type(model).__name__}",
+            at=f"{type(model).__module__}.{type(model).__qualname__}",
+            why="the quantizer annotated no conv/linear/matmul/add node"
+                + (f" (skip list: {', '.join(config.skip)})" if config.skip else ""),
+            next="check quantizer.skip in the recipe, or that the model has conv/linear layers")
+    return QuantizedModel(converted, model, example_inputs, config, ops, count, dynamic)
+
+
+def _calibrate(prepared: torch.fx.GraphModule, batches: Iterable[Any],
+               example_inputs: tuple[torch.Tensor, ...], dynamic: bool, progress: bool) -> int:
+    from tqdm import tqdm
+
+    count = 0
+    with torch.no_grad():
+        for item in tqdm(batches, desc="calibrate", unit="batch", disable=not progress,
+                         leave=False):
+            inputs = item.inputs if isinstance(item, Batch) else tuple(item)
+            _check_calibration_batch(inputs, example_inputs, dynamic, count)
+            prepared(*inputs)
+            count += 1
+    if count == 0:
+        raise QuantizationError(
+            "calibration saw no data", at="calibration",
+            why="the calibration dataset yielded no batches",
+            next="set calibration.batches ≥ 1 and check the dataset has samples")
+    return count
+
+
+def _check_calibration_batch(inputs: tuple[torch.Tensor, ...], example: tuple[torch.Tensor, ...],
+                             dynamic: bool, index: int) -> None:
+    if len(inputs) != len(example):
+        raise QuantizationError(
+            f"calibration batch {index} has {len(inputs)} inputs, the model takes {len(example)}",
+            at=f"calibration batch {index}", why="the dataset does not fit the model",
+            next="choose a calibration dataset made for this model")
+    for i, (got, want) in enumerate(zip(inputs, example, strict=True)):
+        same = got.shape[1:] == want.shape[1:] and (dynamic or got.shape[0] == want.shape[0])
+        if not same or got.dtype != want.dtype:
+            raise QuantizationError(
+                f"calibration batch {index}, input {i}: got {got.dtype}{list(got.shape)}, the "
+                f"model was exported for {want.dtype}{list(want.shape)}",
+                at=f"calibration batch {index}",
+                why="shape or dtype differs" + ("" if dynamic else
+                                                 " (the model exported with a static batch)"),
+                next="set calibration.batch_size to the model's batch size or fix the dataset")
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """``torch.ops.aten.conv2d.default`` → ``conv2d``; other targets by their name."""
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    if hasattr(target, "_schema"):
+        name = target._schema.name.split("::")[-1]  # type: ignore[union-attr]
+    return name.split(".")[0]
+
+
+def count_quantized_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Compute ops that read at least one dequantized tensor, by op name."""
+    counts: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or op_name(node) in QUANT_OPS | DEQUANT_OPS:
+            continue
+        if any(isinstance(a, torch.fx.Node) and a.op == "call_function"
+               and op_name(a) in DEQUANT_OPS for a in node.all_input_nodes):
+            counts[op_name(node)] += 1
+    return dict(sorted(counts.items()))

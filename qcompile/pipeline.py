@@ -1,0 +1,243 @@
+"""The main job: recipe → model → PT2E int8 → each target → accuracy against float → report."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import calibration
+from calibration.protocol import Batch, InputSpec
+from qcompile import targets as target_registry
+from qcompile import zoo
+from qcompile.accuracy.metrics import Comparison, compare_outputs
+from qcompile.accuracy.thresholds import check_thresholds, checks_as_dicts
+from qcompile.errors import DatasetError, ModelError, QCompileError
+from qcompile.frontend.quantize import QuantizeConfig, QuantizedModel, quantize
+from qcompile.recipe import Recipe
+from qcompile.runtime.compiled import CompiledModel
+
+log = logging.getLogger("qcompile")
+
+
+@dataclass
+class ModelUnderTest:
+    name: str
+    module: nn.Module
+    spec: InputSpec
+    task: str
+    default_dataset: str
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        reader = calibration.get_reader("random")
+        return next(iter(reader.batches(self.spec, batch_size=self.spec.shapes[0][0],
+                                        num_batches=1, split="calibration"))).inputs
+
+
+def build_model(recipe: Recipe) -> ModelUnderTest:
+    """The recipe's model: a zoo model, or ``entry: package.module:function``."""
+    m = recipe.model
+    if m.zoo is not None:
+        z = zoo.build(m.zoo, seq_len=m.seq_len)
+        spec = _override_shapes(z.spec, m.input_shapes, recipe.path)
+        return ModelUnderTest(z.name, z.module, spec, z.task, z.default_dataset)
+    module = _load_entry(m.entry or "", recipe.path)
+    shapes = tuple(tuple(s) for s in m.input_shapes or ())
+    dtypes = tuple(getattr(torch, d) for d in (m.input_dtypes or ["float32"] * len(shapes)))
+    spec = InputSpec(shapes, dtypes, "tensor", tuple(f"input_{i}" for i in range(len(shapes))))
+    return ModelUnderTest(m.entry or "", module.eval(), spec, "regression", "random")
+
+
+def _override_shapes(spec: InputSpec, shapes: list[list[int]] | None, path: str) -> InputSpec:
+    if shapes is None:
+        return spec
+    if len(shapes) != len(spec.shapes) or any(len(a) != len(b) for a, b in
+                                               zip(shapes, spec.shapes, strict=True)):
+        from qcompile.errors import RecipeError
+
+        raise RecipeError(f"recipe {path}: model.input_shapes does not fit the model",
+                          at=f"{path}: model.input_shapes",
+                          why=f"got {shapes}; the model takes {len(spec.shapes)} inputs of ranks "
+                              f"{[len(s) for s in spec.shapes]} (default {list(spec.shapes)})",
+                          next="give one shape per input with the same rank, or drop the key")
+    return InputSpec(tuple(tuple(s) for s in shapes), spec.dtypes, spec.kind, spec.names,
+                     spec.mean, spec.std, spec.tokenizer)
+
+
+def _load_entry(entry: str, path: str) -> nn.Module:
+    mod_name, func_name = entry.split(":")
+    try:
+        func = getattr(importlib.import_module(mod_name), func_name)
+        module = func()
+    except (ImportError, AttributeError) as err:
+        raise ModelError(f"cannot load model entry {entry!r}", at=f"{path}: model.entry",
+                         why=f"{type(err).__name__}: {err}",
+                         next="check the module is importable and defines that function") from err
+    if isinstance(module, zoo.ZooModel):
+        module = module.module
+    if not isinstance(module, nn.Module):
+        raise ModelError(f"model entry {entry!r} returned a {type(module).__name__}",
+                         at=f"{path}: model.entry", why="expected a torch.nn.Module",
+                         next="make the function return the float nn.Module")
+    return module
+
+
+def _reader(section: Any, fallback: str) -> Any:
+    return calibration.get_reader(section.dataset or fallback, **section.options)
+
+
+def calibration_batches(recipe: Recipe, mut: ModelUnderTest) -> list[Batch]:
+    c = recipe.calibration
+    reader = _reader(c, mut.default_dataset)
+    return list(reader.batches(mut.spec, batch_size=c.batch_size, num_batches=c.batches,
+                               split="calibration"))
+
+
+def evaluation_batches(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel) -> list[Batch]:
+    e = recipe.evaluation
+    reader = _reader(e, recipe.calibration.dataset or mut.default_dataset)
+    size = e.batch_size if q.dynamic_batch else q.example_inputs[0].shape[0]
+    batches = list(reader.batches(mut.spec, batch_size=size, num_batches=e.batches,
+                                  split="evaluation"))
+    if not q.dynamic_batch:
+        batches = [b for b in batches if b.inputs[0].shape[0] == size]
+    if not batches:
+        raise DatasetError("evaluation saw no data", at="evaluation",
+                           why=f"dataset {reader.name!r} yielded no batches of size {size}",
+                           next="raise evaluation.batches or pick another evaluation dataset")
+    return batches
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """A model's main output: the tensor itself, or the first tensor of a tuple/dict output."""
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+    raise ModelError("model output holds no tensor", why=f"got {type(out).__name__}",
+                     next="return a tensor (or a tuple whose first item is one)")
+
+
+def run_batches(fn: Any, batches: list[Batch], desc: str, progress: bool) -> np.ndarray:
+    from tqdm import tqdm
+
+    outs = []
+    with torch.no_grad():
+        for b in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
+            outs.append(first_tensor(fn(*b.inputs)).float().numpy())
+    return np.concatenate(outs)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for pkg in ("qcompile", "torch", "torchao", "iree-base-compiler", "iree-base-runtime",
+                "onnxruntime", "numpy"):
+        try:
+            found[pkg] = version(pkg)
+        except PackageNotFoundError:
+            found[pkg] = "not installed"
+    return found
+
+
+def evaluate_target(recipe: Recipe, compiled: CompiledModel, batches: list[Batch],
+                    float_out: np.ndarray, task: str, progress: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = run_batches(compiled, batches, f"evaluate {compiled.target}", progress)
+    labels = _labels(batches)
+    comparison = compare_outputs(float_out, out, task=task, labels=labels)
+    checks = check_thresholds(recipe.accuracy, comparison)
+    return {"status": "ok", "accuracy": _accuracy_dict(comparison, checks),
+            "evaluate_s": round(time.perf_counter() - t0, 3), **compiled.report}
+
+
+def _labels(batches: list[Batch]) -> np.ndarray | None:
+    if any(b.labels is None for b in batches):
+        return None
+    return np.concatenate([b.labels.numpy() for b in batches])  # type: ignore[union-attr]
+
+
+def _accuracy_dict(c: Comparison, checks: list[Any]) -> dict[str, Any]:
+    return {"float": c.float_metrics, "int8": c.int8_metrics, "compare": c.compare,
+            "checks": checks_as_dicts(checks), "passed": all(ch.passed for ch in checks)}
+
+
+def run_recipe(recipe: Recipe, *, targets: list[str] | None = None,
+               progress: bool = False) -> dict[str, Any]:
+    """Quantize, run every target, measure accuracy; returns the report (see DESIGN.md keys)."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    mut = build_model(recipe)
+    timings["build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    calib = calibration_batches(recipe, mut)
+    q = quantize(mut.module, mut.example_inputs(), calib, QuantizeConfig.from_recipe(recipe),
+                 progress=progress)
+    timings["quantize_s"] = time.perf_counter() - t0
+    batches = evaluation_batches(recipe, mut, q)
+    float_out = run_batches(mut.module, batches, "evaluate float", progress)
+    per_target = {t: _run_target(recipe, q, t, batches, float_out, mut.task, progress)
+                  for t in (targets or recipe.targets)}
+    return _report(recipe, mut, q, calib, batches, per_target, timings)
+
+
+def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Batch],
+                float_out: np.ndarray, task: str, progress: bool) -> dict[str, Any]:
+    reason = target_registry.unavailable_reason(target)
+    if reason is not None:
+        log.warning("target %s skipped: %s", target, reason)
+        return {"status": "unavailable", "reason": reason}
+    t0 = time.perf_counter()
+    try:
+        compiled = target_registry.compile_quantized(q, target)
+    except QCompileError as err:
+        return {"status": "failed", "reason": str(err)}
+    result = evaluate_target(recipe, compiled, batches, float_out, task, progress)
+    return {**result, "compile_s": round(time.perf_counter() - t0 - result["evaluate_s"], 3)}
+
+
+def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel, calib: list[Batch],
+            batches: list[Batch], per_target: dict[str, Any],
+            timings: dict[str, float]) -> dict[str, Any]:
+    ran = [t for t, r in per_target.items() if r["status"] == "ok"]
+    primary = ran[0] if ran else next(iter(per_target))
+    main = per_target[primary]
+    return {
+        "recipe": {"name": recipe.name, "path": recipe.path, "version": recipe.version},
+        "model": {"name": mut.name, "task": mut.task,
+                  "parameters": sum(p.numel() for p in mut.module.parameters()),
+                  "input_shapes": [list(s) for s in mut.spec.shapes],
+                  "dynamic_batch": q.dynamic_batch},
+        "target": primary,
+        "versions": versions(),
+        "quantization": {"quantizer": q.config.quantizer, "weights": q.config.weights,
+                         "activations": q.config.activations,
+                         "quantized_ops": q.quantized_ops,
+                         "calibration": {"dataset": recipe.calibration.dataset
+                                         or mut.default_dataset, "method": q.config.method,
+                                         "batches": len(calib),
+                                         "samples": sum(len(b.inputs[0]) for b in calib)}},
+        "evaluation": {"dataset": recipe.evaluation.dataset or recipe.calibration.dataset
+                       or mut.default_dataset, "batches": len(batches),
+                       "samples": sum(len(b.inputs[0]) for b in batches)},
+        "accuracy": main.get("accuracy", {"passed": False, "reason": main.get("reason")}),
+        "targets": per_target,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+
+
+def write_outputs(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
+    from qcompile.report.writer import write_report
+
+    return write_report(report, Path(out_dir))

@@ -1,0 +1,255 @@
+"""Recipes: versioned, strict YAML files that say what to quantize, how, and what must hold.
+
+The schema is a set of pydantic models with ``extra="forbid"``; every validation failure becomes a
+:class:`RecipeError` naming the file, the key path (``calibration.method``), the bad value and the
+valid choices. Files are read with ``yaml.safe_load`` only.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from qcompile.errors import RecipeError
+
+RECIPE_VERSION = 1
+TARGETS = ("pt2e", "reference", "cpu", "cuda", "rocm", "vulkan", "ort")
+PEERS = ("eager_fp32", "inductor_fp32", "pt2e_inductor_int8", "ort_fp32", "ort_int8",
+         "iree_qdq", "qcompile")
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def _one_of(choices: Any) -> AfterValidator:
+    """A validator checking a name against ``choices()`` (looked up late: the registries import
+    torch, and the recipe module should stay cheap to import)."""
+
+    def check(name: str) -> str:
+        valid = tuple(choices())
+        if name not in valid:
+            raise ValueError(_choices_message(name, valid))
+        return name
+
+    return AfterValidator(check)
+
+
+def _zoo_names() -> tuple[str, ...]:
+    from qcompile import zoo
+
+    return zoo.names()
+
+
+def _reader_names() -> tuple[str, ...]:
+    import calibration
+
+    return tuple(calibration.reader_names())
+
+
+def _method_names() -> tuple[str, ...]:
+    from calibration.methods import METHODS
+
+    return tuple(METHODS)
+
+
+ZooName = Annotated[str, _one_of(_zoo_names)]
+DatasetName = Annotated[str, _one_of(_reader_names)]
+MethodName = Annotated[str, _one_of(_method_names)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ModelSection(_Strict):
+    zoo: ZooName | None = None
+    entry: str | None = Field(default=None, description="'package.module:function' -> nn.Module")
+    input_shapes: list[list[int]] | None = None
+    input_dtypes: list[Literal["float32", "int64"]] | None = None
+    seq_len: int | None = Field(default=None, ge=1, le=4096)
+    dynamic_batch: bool = False
+    max_batch: int = Field(default=64, ge=1, le=4096)
+
+    @field_validator("entry")
+    @classmethod
+    def _entry_form(cls, entry: str | None) -> str | None:
+        if entry is not None and (entry.count(":") != 1 or not all(entry.split(":"))):
+            raise ValueError(f"expected 'package.module:function', got {entry!r}")
+        return entry
+
+    @field_validator("input_shapes")
+    @classmethod
+    def _positive_dims(cls, shapes: list[list[int]] | None) -> list[list[int]] | None:
+        for shape in shapes or ():
+            if not shape or any(d < 1 or d > 1 << 20 for d in shape):
+                raise ValueError(f"every shape needs dims in 1..{1 << 20}, got {shape}")
+        return shapes
+
+
+class QuantizerSection(_Strict):
+    kind: Literal["x86"] = "x86"
+    weights: Literal["per_channel_symmetric", "per_tensor_symmetric"] = "per_channel_symmetric"
+    activations: Literal["per_tensor_affine", "per_tensor_symmetric"] = "per_tensor_affine"
+    skip: list[str] = Field(default_factory=list, description="module names kept in float")
+
+
+class CalibrationSection(_Strict):
+    dataset: DatasetName | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    batches: int = Field(default=8, ge=1, le=100_000)
+    batch_size: int = Field(default=8, ge=1, le=4096)
+    method: MethodName = "histogram"
+    method_options: dict[str, Any] = Field(default_factory=dict)
+
+
+
+class EvaluationSection(_Strict):
+    dataset: DatasetName | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    batches: int | None = Field(default=None, ge=1, le=100_000)
+    batch_size: int = Field(default=16, ge=1, le=4096)
+
+
+class AccuracySection(_Strict):
+    min_sqnr_db: float | None = None
+    min_cosine: float | None = Field(default=None, ge=-1.0, le=1.0)
+    min_top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_top5_agreement: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_abs_error: float | None = Field(default=None, ge=0.0)
+    min_task_metric: float | None = None
+    max_task_metric_drop: float | None = Field(default=None, ge=0.0)
+
+
+class BenchmarkSection(_Strict):
+    peers: list[Literal[PEERS]] = Field(default_factory=lambda: list(PEERS))  # type: ignore[valid-type]
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8])
+    warmup: int = Field(default=3, ge=0, le=1000)
+    repeats: int = Field(default=20, ge=1, le=100_000)
+
+
+class Recipe(_Strict):
+    version: int
+    name: str = Field(min_length=1, max_length=200)
+    description: str = ""
+    model: ModelSection
+    quantizer: QuantizerSection = QuantizerSection()
+    calibration: CalibrationSection = CalibrationSection()
+    evaluation: EvaluationSection = EvaluationSection()
+    targets: list[Literal[TARGETS]] = Field(default_factory=lambda: ["reference"], min_length=1)  # type: ignore[valid-type]
+    accuracy: AccuracySection = AccuracySection()
+    benchmark: BenchmarkSection = BenchmarkSection()
+    path: str = Field(default="<memory>", exclude=True)
+
+    @field_validator("version")
+    @classmethod
+    def _supported_version(cls, version: int) -> int:
+        if version != RECIPE_VERSION:
+            raise ValueError(f"unsupported recipe version {version}; this qcompile reads version "
+                             f"{RECIPE_VERSION}")
+        return version
+
+    @field_validator("model")
+    @classmethod
+    def _one_model_source(cls, model: ModelSection) -> ModelSection:
+        if (model.zoo is None) == (model.entry is None):
+            raise ValueError("give exactly one of 'zoo' (a zoo model name) or 'entry' "
+                             "('package.module:function')")
+        if model.entry is not None and model.input_shapes is None:
+            raise ValueError("'entry' models need 'input_shapes' (e.g. [[1, 3, 224, 224]])")
+        return model
+
+
+def _choices_message(value: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(str(value), list(choices), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown name {value!r}{hint}; valid choices: {', '.join(choices)}"
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file; every failure is a :class:`RecipeError`."""
+    path = Path(path)
+    data = _read_yaml(path)
+    return recipe_from_dict(data, path=str(path))
+
+
+def recipe_from_dict(data: Any, *, path: str = "<memory>") -> Recipe:
+    """Validate already-parsed recipe data (``path`` names the source in error messages)."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: expected a mapping at the top level",
+                          at=path, why=f"the document is a {type(data).__name__}",
+                          next="start from one of the shipped recipes in recipes/")
+    try:
+        return Recipe.model_validate({**data, "path": path})
+    except ValidationError as err:
+        raise _recipe_error(err, path, data) from None
+    except RecursionError:
+        raise RecipeError(f"recipe {path}: nested too deeply", at=path,
+                          why="the document nests beyond what a recipe can hold",
+                          next="flatten the recipe; see recipes/ for the schema") from None
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        near = sorted(p.name for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        raise RecipeError(f"recipe file not found: {path}", at=str(path),
+                          why="no such file" + (f"; recipes there: {', '.join(near)}" if near
+                                                else ""),
+                          next="pass the path of a recipe YAML file, e.g. recipes/digits_cnn.yaml")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe {path} is too large", at=str(path),
+                          why=f"{path.stat().st_size} bytes; recipes are at most "
+                              f"{MAX_RECIPE_BYTES} bytes", next="check that this is a recipe file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"recipe {path} is not UTF-8 text", at=str(path), why=str(err),
+                          next="save the recipe as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise RecipeError(f"recipe {path} is not valid YAML", at=where,
+                          why=str(getattr(err, "problem", None) or err),
+                          next="fix the YAML syntax at that line") from None
+    if data is None:
+        raise RecipeError(f"recipe {path} is empty", at=str(path), why="the file holds no data",
+                          next="start from one of the shipped recipes in recipes/")
+    return data
+
+
+def _recipe_error(err: ValidationError, path: str, data: Any) -> RecipeError:
+    problems = [_describe(e, data) for e in err.errors()]
+    first_key, first_why = problems[0]
+    more = "" if len(problems) == 1 else "; also: " + "; ".join(
+        f"{k}: {w}" for k, w in problems[1:4])
+    return RecipeError(f"recipe {path}: invalid value at '{first_key}'",
+                       at=f"{path}: {first_key}", why=first_why + more,
+                       next="fix that key; the schema is in qcompile/recipe.py and the shipped "
+                            "recipes in recipes/ are examples")
+
+
+def _describe(error: Any, data: Any) -> tuple[str, str]:
+    loc = [str(p) for p in error["loc"]]
+    key = ".".join(loc) or "<top>"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        parent = _section_model(loc[:-1])
+        valid = ", ".join(k for k in parent.model_fields if k != "path") if parent else "?"
+        return key, f"unknown key {loc[-1]!r}; valid keys here: {valid}"
+    if kind == "missing":
+        return key, "required key is missing"
+    value = error.get("input")
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    msg = error["msg"].removeprefix("Value error, ")
+    return key, f"bad value {shown}: {msg}"
+
+
+def _section_model(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Recipe
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        ann = field.annotation if field else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model

@@ -1,0 +1,92 @@
+"""``report.json`` (machine-readable, stable keys from DESIGN.md) and ``report.md`` (for people).
+
+Both are written atomically: a temp file in the same folder, then ``os.replace``, so an
+interrupted run never leaves a half-written report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    json_path, md_path = out_dir / "report.json", out_dir / "report.md"
+    atomic_write_text(json_path, json.dumps(report, indent=2, sort_keys=False, allow_nan=False)
+                      + "\n")
+    atomic_write_text(md_path, render_markdown(report))
+    return json_path, md_path
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    lines = [f"# qcompile report: {r['recipe']['name']}", "",
+             f"- model: `{r['model']['name']}` ({r['model']['task']}, "
+             f"{r['model']['parameters']:,} parameters, inputs {r['model']['input_shapes']}, "
+             f"dynamic batch: {r['model']['dynamic_batch']})",
+             f"- recipe: `{r['recipe']['path']}`",
+             f"- quantizer: {r['quantization']['quantizer']} ({r['quantization']['weights']}, "
+             f"{r['quantization']['activations']}), calibration "
+             f"{r['quantization']['calibration']}",
+             f"- quantized ops: {r['quantization']['quantized_ops']}",
+             f"- evaluation: {r['evaluation']}", ""]
+    lines += _targets_table(r["targets"])
+    lines += _checks_section(r)
+    lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
+              "", f"Timings (s): {r['timings_s']}", ""]
+    return "\n".join(lines)
+
+
+def _targets_table(targets: dict[str, Any]) -> list[str]:
+    cols = ["sqnr_db", "cosine", "max_abs", "top1_agreement", "top5_agreement"]
+    lines = ["## Targets", "", "| target | status | float | int8 | " + " | ".join(cols) + " |",
+             "|---" * (len(cols) + 4) + "|"]
+    for name, t in targets.items():
+        if t["status"] != "ok":
+            lines.append(f"| {name} | {t['status']}: {t.get('reason', '')} |" + " |" *
+                         (len(cols) + 2))
+            continue
+        a = t["accuracy"]
+        cells = [_fmt(a["compare"].get(c, "—")) for c in cols]
+        lines.append(f"| {name} | ok | {_fmt(a['float'] or '—')} | {_fmt(a['int8'] or '—')} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def _checks_section(r: dict[str, Any]) -> list[str]:
+    lines = ["", f"## Accuracy checks ({r['target']}): "
+             f"{'PASSED' if r['accuracy'].get('passed') else 'FAILED'}", ""]
+    for c in r["accuracy"].get("checks", []):
+        mark = "pass" if c["passed"] else "FAIL"
+        value = "not measured" if c["value"] is None else _fmt(c["value"])
+        note = f" ({c['note']})" if c["note"] else ""
+        lines.append(f"- {mark}: {c['key']} = {_fmt(c['threshold'])}, measured {value}{note}")
+    if not r["accuracy"].get("checks"):
+        lines.append("- the recipe sets no accuracy thresholds")
+    return lines

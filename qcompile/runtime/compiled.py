@@ -1,0 +1,77 @@
+"""``CompiledModel``: a model ready to run on one target, with its inputs checked at every call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qcompile.errors import InputError
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What one positional input must be. ``batch`` is ``None`` when any batch in
+    ``1..max_batch`` is accepted, else the one compiled batch size."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]            # without the batch dimension
+    batch: int | None
+    max_batch: int
+
+    def describe(self) -> str:
+        b = f"1..{self.max_batch}" if self.batch is None else str(self.batch)
+        return f"{self.name}: {str(self.dtype).removeprefix('torch.')}[{b}, " + \
+            ", ".join(map(str, self.shape)) + "]"
+
+
+@dataclass
+class CompiledModel:
+    """Torch tensors in, torch tensors out. ``report`` collects what the compiler measured."""
+
+    target: str
+    signature: tuple[InputSignature, ...]
+    runner: Callable[..., Any]
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        self.check_inputs(inputs)
+        with torch.no_grad():
+            return self.runner(*inputs)
+
+    def check_inputs(self, inputs: tuple[Any, ...]) -> None:
+        expected = ", ".join(s.describe() for s in self.signature)
+        if len(inputs) != len(self.signature):
+            raise InputError(f"expected {len(self.signature)} inputs, got {len(inputs)}",
+                             at=f"CompiledModel({self.target}) call", why=f"inputs: {expected}",
+                             next="pass one tensor per model input, in order")
+        for i, (x, sig) in enumerate(zip(inputs, self.signature, strict=True)):
+            problem = _input_problem(x, sig)
+            if problem:
+                raise InputError(f"input {i} ({sig.name}) does not fit the compiled model",
+                                 at=f"CompiledModel({self.target}) input {i}", why=problem,
+                                 next=f"pass {sig.describe()}")
+
+
+def _input_problem(x: Any, sig: InputSignature) -> str | None:
+    if not isinstance(x, torch.Tensor):
+        return f"got a {type(x).__name__}, not a torch.Tensor"
+    if x.device.type != "cpu":
+        return f"tensor is on {x.device}; this target reads CPU tensors"
+    if x.dtype != sig.dtype:
+        return f"dtype is {x.dtype}, expected {sig.dtype}"
+    if x.dim() != len(sig.shape) + 1:
+        return f"rank is {x.dim()} (shape {list(x.shape)}), expected {len(sig.shape) + 1}"
+    if tuple(x.shape[1:]) != sig.shape:
+        return f"shape is {list(x.shape)}, expected [batch, {', '.join(map(str, sig.shape))}]"
+    n = x.shape[0]
+    if n == 0:
+        return "the batch is empty"
+    if sig.batch is not None and n != sig.batch:
+        return f"batch size {n}; this model was compiled for batch {sig.batch} only"
+    if n > sig.max_batch:
+        return f"batch size {n} exceeds the maximum {sig.max_batch}"
+    return None

@@ -1,0 +1,62 @@
+"""Targets: where a quantized model runs. Each target turns a ``QuantizedModel`` into a
+``CompiledModel``; a target that cannot run here says why (``unavailable_reason``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from qcompile.errors import TargetUnavailableError
+from qcompile.frontend.quantize import QuantizedModel
+from qcompile.recipe import TARGETS
+from qcompile.runtime.compiled import CompiledModel, InputSignature
+
+Builder = Callable[[QuantizedModel], CompiledModel]
+_BUILDERS: dict[str, Builder] = {}
+
+
+def register(name: str) -> Callable[[Builder], Builder]:
+    def add(builder: Builder) -> Builder:
+        _BUILDERS[name] = builder
+        return builder
+
+    return add
+
+
+def signature_of(q: QuantizedModel, names: tuple[str, ...] = ()) -> tuple[InputSignature, ...]:
+    return tuple(
+        InputSignature(names[i] if i < len(names) else f"input_{i}", x.dtype, tuple(x.shape[1:]),
+                       None if q.dynamic_batch else x.shape[0], q.config.max_batch)
+        for i, x in enumerate(q.example_inputs))
+
+
+@register("pt2e")
+def _pt2e(q: QuantizedModel) -> CompiledModel:
+    """PT2E's own Q/DQ module: int8 simulated in float. The baseline every target is checked
+    against."""
+    return CompiledModel("pt2e", signature_of(q), q.module)
+
+
+_PLANNED = {
+    "reference": "the numpy integer reference interpreter needs the QIR pass pipeline",
+    "cpu": "CPU code generation (QIR -> MLIR -> IREE) is not part of this qcompile build",
+    "cuda": "Triton code generation for NVIDIA GPUs is not part of this qcompile build",
+    "rocm": "IREE code generation for AMD GPUs is not part of this qcompile build",
+    "vulkan": "IREE code generation for Vulkan is not part of this qcompile build",
+    "ort": "the ONNX Runtime target is not part of this qcompile build",
+}
+
+
+def unavailable_reason(target: str) -> str | None:
+    """``None`` when ``target`` can run here, else why not."""
+    if target in _BUILDERS:
+        return None
+    return _PLANNED.get(target, f"unknown target; valid targets: {', '.join(TARGETS)}")
+
+
+def compile_quantized(q: QuantizedModel, target: str) -> CompiledModel:
+    reason = unavailable_reason(target)
+    if reason is not None:
+        raise TargetUnavailableError(
+            f"target {target!r} is not available", at=f"target {target}", why=reason,
+            next=f"use one of the available targets: {', '.join(sorted(_BUILDERS))}")
+    return _BUILDERS[target](q)
