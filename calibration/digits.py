@@ -1,7 +1,8 @@
 """scikit-learn's handwritten digits (1797 8x8 images, shipped with the package).
 
 One fixed, stratified split is shared by the digits CNN's training (``qcompile.zoo``) and the
-``digits`` reader, so calibration never sees held-out images and evaluation never sees training ones.
+``digits`` reader, so calibration never sees held-out images and evaluation never sees
+training ones.
 """
 
 from __future__ import annotations

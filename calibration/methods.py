@@ -20,18 +20,22 @@ import dataclasses
 from typing import Any
 
 import torch
-from torchao.quantization.pt2e.observer import (
-    HistogramObserver,
-    MinMaxObserver,
-    MovingAverageMinMaxObserver,
-)
-from torchao.quantization.pt2e.quantizer import QuantizationSpec
-from torchao.quantization.pt2e.quantizer.utils import QuantizationConfig
-from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-    get_default_x86_inductor_quantization_config,
-)
 
-from calibration.percentile import PercentileObserver
+from calibration._quiet import quiet_torchao
+
+with quiet_torchao():
+    from torchao.quantization.pt2e.observer import (
+        HistogramObserver,
+        MinMaxObserver,
+        MovingAverageMinMaxObserver,
+    )
+    from torchao.quantization.pt2e.quantizer import QuantizationSpec
+    from torchao.quantization.pt2e.quantizer.utils import QuantizationConfig
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        get_default_x86_inductor_quantization_config,
+    )
+
+    from calibration.percentile import PercentileObserver
 from qcompile.errors import RecipeError
 
 EPS = 2**-12  # the smallest scale, as torchao's x86 default config uses

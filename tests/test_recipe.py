@@ -93,7 +93,7 @@ def test_unknown_method_lists_methods(tmp_path):
 
 
 def test_unknown_dataset_lists_readers(tmp_path):
-    with pytest.raises(RecipeError, match=r"(?s)evaluation\.dataset.*valid choices: .*sample_photos"):
+    with pytest.raises(RecipeError, match=r"(?s)evaluation\.dataset.*choices: .*sample_photos"):
         load_recipe(write(tmp_path, with_key("evaluation.dataset", "imagenet")))
 
 
@@ -104,7 +104,7 @@ def test_unknown_target_lists_targets(tmp_path):
 
 def test_missing_file_names_path_and_neighbours(tmp_path):
     write(tmp_path, MINIMAL, "real.yaml")
-    with pytest.raises(RecipeError, match=r"(?s)recipe file not found: .*nope\.yaml(.|\n)*real\.yaml"):
+    with pytest.raises(RecipeError, match=r"(?s)recipe file not found: .*nope\.yaml.*real\.yaml"):
         load_recipe(tmp_path / "nope.yaml")
 
 
@@ -139,7 +139,7 @@ def test_unsupported_version(tmp_path):
 
 def test_invalid_yaml_names_line(tmp_path):
     path = write(tmp_path, "version: 1\nmodel: {zoo: [unclosed\n")
-    with pytest.raises(RecipeError, match=rf"(?s)not valid YAML(.|\n)*{re.escape(str(path))}:\d+:\d+"):
+    with pytest.raises(RecipeError, match=rf"(?s)not valid YAML.*{re.escape(str(path))}:\d+:\d+"):
         load_recipe(path)
 
 

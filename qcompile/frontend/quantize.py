@@ -68,16 +68,11 @@ class QuantizedModel:
 def import_torchao() -> None:
     """Import torchao's PT2E modules with its start-up chatter (optional CUDA kernels that cannot
     load on a CPU machine) kept out of the user's terminal."""
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.ERROR)
-    try:
+    from calibration._quiet import quiet_torchao
+
+    with quiet_torchao():
         import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
         import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
-    finally:
-        for lg, level in zip(quiet, levels, strict=True):
-            lg.setLevel(level)
 
 
 def export_model(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
@@ -109,8 +104,17 @@ def export_model(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
                  "the torch.export documentation on graph breaks") from err
 
 
+NO_OP_IN_EVAL = frozenset({"dropout", "alpha_dropout", "feature_dropout", "clone", "contiguous"})
+
+
 def _prepared_graph(exported: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """The exported graph without dead code and without eval-mode no-ops (dropout sitting between
+    a linear and its residual add would hide that pattern from the quantizer)."""
     gm = exported.module()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and op_name(node) in NO_OP_IN_EVAL and node.args:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
