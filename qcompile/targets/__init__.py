@@ -36,8 +36,16 @@ def _pt2e(q: QuantizedModel) -> CompiledModel:
     return CompiledModel("pt2e", signature_of(q), q.module)
 
 
+@register("reference")
+def _reference(q: QuantizedModel) -> CompiledModel:
+    """QIR after the pass pipeline, executed exactly by the numpy reference interpreter."""
+    from qcompile.reference.program import ReferenceProgram
+
+    program = ReferenceProgram(q)
+    return CompiledModel("reference", signature_of(q), program, program.report())
+
+
 _PLANNED = {
-    "reference": "the numpy integer reference interpreter needs the QIR pass pipeline",
     "cpu": "CPU code generation (QIR -> MLIR -> IREE) is not part of this qcompile build",
     "cuda": "Triton code generation for NVIDIA GPUs is not part of this qcompile build",
     "rocm": "IREE code generation for AMD GPUs is not part of this qcompile build",

@@ -1,0 +1,138 @@
+"""The integer semantics of qcompile — one definition, used by the reference interpreter and by
+every code generator.
+
+* Accumulate in i32. Bias is quantized to i32 with scale ``s_x * s_w[c]``.
+* Requantize with a fixed-point multiplier ``M`` (``2^30 <= M < 2^31`` for the largest term of a
+  channel) and a right shift ``s`` (``1 <= s <= 62``) per output channel:
+  ``round_shift(v, s) = (v + 2^(s-1)) >> s`` (arithmetic shift: round half up), computed in i64.
+  Several terms (a residual operand, the two sides of an int8 add) share the shift of a channel.
+* Then add the output zero point and clamp to ``[qmin, qmax]``; relu/relu6/hardtanh are folded into
+  that clamp.
+
+The rounding differs from PT2E's float ``round-half-even(y / s_out)`` only on exact ties and in
+the last bits of ``M``: compiled code is checked bit-exact against this module, and this module
+within one quantization step of PT2E.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from qcompile.ir.types import DType, QParams, Requant, Term
+
+MANTISSA_BITS = 31
+MAX_SHIFT = 62
+
+
+def _shift_for(real: float) -> int:
+    """The shift that puts ``real * 2^shift`` in ``[2^30, 2^31)``, clamped to ``[1, 62]``."""
+    if real <= 0.0:
+        return MAX_SHIFT
+    _, exponent = math.frexp(real)          # real = f * 2^exponent, f in [0.5, 1)
+    return min(MAX_SHIFT, max(1, MANTISSA_BITS - exponent))
+
+
+def fixed_point(reals: Sequence[Sequence[float]]) -> tuple[tuple[tuple[int, ...], ...],
+                                                           tuple[int, ...]]:
+    """Multipliers per term and one shift per channel for ``reals[term][channel]``.
+
+    The largest term of each channel sets the shift so no multiplier exceeds 31 bits.
+    """
+    terms = [np.asarray(r, dtype=np.float64) for r in reals]
+    channels = max(len(t) for t in terms)
+    terms = [np.broadcast_to(t, (channels,)) for t in terms]
+    if any(np.any(t < 0) or not np.all(np.isfinite(t)) for t in terms):
+        raise ValueError("requantize multipliers must be finite and non-negative")
+    biggest = np.max(np.stack(terms), axis=0)
+    if np.any(biggest >= 2.0 ** (MANTISSA_BITS - 1)):
+        raise ValueError(f"requantize multiplier {float(np.max(biggest))} is too large")
+    shifts = tuple(_shift_for(float(r)) for r in biggest)
+    mults = tuple(tuple(min(int(round(float(r) * 2.0**s)), 2**MANTISSA_BITS - 1)
+                        for r, s in zip(t, shifts, strict=True)) for t in terms)
+    return mults, shifts
+
+
+def make_requant(reals: Sequence[Sequence[float]], zero_points: Sequence[int], out: QParams,
+                 *, axis: int | None, qmin: int | None = None,
+                 qmax: int | None = None) -> Requant:
+    """A :class:`Requant` mapping terms with real multipliers ``reals`` onto ``out``."""
+    mults, shifts = fixed_point(reals)
+    terms = tuple(Term(int(z), m) for z, m in zip(zero_points, mults, strict=True))
+    lo = out.qmin if qmin is None else max(out.qmin, qmin)
+    hi = out.qmax if qmax is None else min(out.qmax, qmax)
+    return Requant(terms, shifts, out.zp, lo, hi, out.dtype, axis if len(shifts) > 1 else None)
+
+
+def _per_channel(values: Sequence[int], axis: int | None, ndim: int) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64)
+    if axis is None or arr.size == 1:
+        return arr.reshape(())
+    shape = [1] * ndim
+    shape[axis] = arr.size
+    return arr.reshape(shape)
+
+
+def requantize(rq: Requant, *operands: np.ndarray) -> np.ndarray:
+    """Execute a :class:`Requant` on integer arrays (the definition every target must match)."""
+    if len(operands) != len(rq.terms):
+        raise ValueError(f"requant takes {len(rq.terms)} operands, got {len(operands)}")
+    ndim = max(np.ndim(x) for x in operands)
+    total = np.zeros((), dtype=np.int64)
+    for x, term in zip(operands, rq.terms, strict=True):
+        centred = np.asarray(x, dtype=np.int64) - term.zero_point
+        total = total + centred * _per_channel(term.multiplier, rq.axis, ndim)
+    shift = _per_channel(rq.shift, rq.axis, ndim)
+    rounded = (total + (np.int64(1) << (shift - 1))) >> shift
+    out = np.clip(rounded + rq.zp_out, rq.qmin, rq.qmax)
+    return out.astype(rq.out_dtype.np)
+
+
+def quantize_bias(bias: np.ndarray, acc_scale: np.ndarray) -> np.ndarray:
+    """Float bias → i32 at scale ``s_x * s_w[c]`` (round half to even, saturating)."""
+    q = np.round(np.asarray(bias, dtype=np.float64) / np.asarray(acc_scale, dtype=np.float64))
+    info = np.iinfo(np.int32)
+    return np.clip(q, info.min, info.max).astype(np.int32)
+
+
+def acc_scales(x: QParams, w: QParams) -> np.ndarray:
+    """Per-output-channel scale of an i32 accumulator of ``x`` times ``w``."""
+    return np.asarray(x.scale, dtype=np.float64) * np.asarray(w.scale, dtype=np.float64)
+
+
+def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
+    """PT2E's quantize: ``clamp(round_half_even(x / s) + zp)`` (in float32 like PT2E)."""
+    scale, zp = _broadcast_qparams(qp, np.ndim(x))
+    inv = (np.float32(1.0) / scale.astype(np.float32)).astype(np.float32)
+    q = np.round(np.asarray(x, dtype=np.float32) * inv) + zp
+    return np.clip(q, qp.qmin, qp.qmax).astype(qp.dtype.np)
+
+
+def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
+    scale, zp = _broadcast_qparams(qp, np.ndim(q))
+    return ((np.asarray(q, dtype=np.int64) - zp).astype(np.float32)
+            * scale.astype(np.float32)).astype(np.float32)
+
+
+def _broadcast_qparams(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    scale = np.asarray(qp.scale, dtype=np.float64)
+    zp = np.asarray(qp.zero_point, dtype=np.int64)
+    if qp.axis is None:
+        return scale.reshape(()), zp.reshape(())
+    shape = [1] * ndim
+    shape[qp.axis] = scale.size
+    return scale.reshape(shape), zp.reshape(shape)
+
+
+def lut_table(fn: object, x: QParams, out: QParams) -> np.ndarray:
+    """The 256-entry table of ``Q_out(fn(DQ_x(q)))`` over every int8 input value."""
+    lo, hi = x.dtype.range
+    codes = np.arange(lo, hi + 1)
+    real = dequantize_array(codes, x)
+    return quantize_array(fn(real), out)  # type: ignore[operator]
+
+
+def int8_dtype(name: str) -> DType:
+    return {"uint8": DType.U8, "int8": DType.I8}[name]
