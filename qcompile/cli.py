@@ -112,6 +112,39 @@ def check(recipe: RecipeArg, target: TargetOpt = None, out: OutOpt = None,
     typer.echo("accuracy check passed")
 
 
+@app.command()
+@_user_errors
+def inspect(recipe: RecipeArg,
+            dump_ir: Annotated[Path | None, typer.Option(
+                "--dump-ir", help="write the QIR after each pass into this folder")] = None,
+            batch: Annotated[int, typer.Option(help="batch size to specialise for")] = 1) -> None:
+    """Quantize, run the pass pipeline, show fused chains, int8 residency and float ops."""
+    _setup_logging()
+    from qcompile.frontend.quantize import QuantizeConfig, quantize
+    from qcompile.passes.residency import residency
+    from qcompile.pipeline import build_model, calibration_batches
+    from qcompile.recipe import load_recipe
+    from qcompile.reference.program import lower
+
+    r = load_recipe(recipe)
+    mut = build_model(r)
+    q = quantize(mut.module, mut.example_inputs(), calibration_batches(r, mut),
+                 QuantizeConfig.from_recipe(r))
+    lowered = lower(q, batch, dump_dir=str(dump_ir) if dump_ir else None)
+    res = residency(lowered.graph)
+    typer.echo(f"{r.name}: passes fired " + ", ".join(f"{k} {v}" for k, v in
+                                                      lowered.stats.items() if v))
+    typer.echo(f"int8 bytes fraction {res['int8_bytes_fraction']:.4f} (int8 {res['int8_bytes']}"
+               f" B, float {res['float_bytes']} B, i32 kept in chains {res['i32_fused_bytes']} B)")
+    typer.echo(f"fused chains: {res['chain_count']}; int8 segments: {res['segments']}")
+    for c in res["chains"]:
+        typer.echo(f"  chain  {'+'.join(c['ops']):40} -> {c['out']}  {c['loc']}")
+    for f in res["float_ops"]:
+        typer.echo(f"  float  {f['op']:12} {f['region']:7} {f['loc']}: {f['reason']}")
+    if dump_ir:
+        typer.echo(f"QIR stages written to {dump_ir}")
+
+
 @app.command("models")
 def models() -> None:
     """List the zoo models."""

@@ -204,6 +204,11 @@ def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Ba
     except QCompileError as err:
         return {"status": "failed", "reason": str(err)}
     result = evaluate_target(recipe, compiled, batches, float_out, task, progress)
+    if target == "reference":
+        from qcompile.accuracy.exactness import compare
+
+        graph = compiled.runner.graph(int(batches[0].inputs[0].shape[0]))
+        result["exactness"] = {"vs_pt2e": compare(graph, q.module, batches[0].inputs)}
     return {**result, "compile_s": round(time.perf_counter() - t0 - result["evaluate_s"], 3)}
 
 
@@ -232,6 +237,7 @@ def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel, calib: list[
                        or mut.default_dataset, "batches": len(batches),
                        "samples": sum(len(b.inputs[0]) for b in batches)},
         "accuracy": main.get("accuracy", {"passed": False, "reason": main.get("reason")}),
+        **{k: main[k] for k in ("exactness", "residency", "passes") if k in main},
         "targets": per_target,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }

@@ -89,3 +89,12 @@ def test_unknown_target_option(tmp_path):
 def test_models_lists_the_zoo():
     result = runner.invoke(app, ["models"])
     assert result.exit_code == 0 and "efficientnet_lite0" in result.output
+
+
+def test_inspect_shows_chains_residency_and_dumps_ir(tmp_path):
+    result = runner.invoke(app, ["inspect", str(RECIPES / "digits_cnn.yaml"), "--dump-ir",
+                                 str(tmp_path / "ir")])
+    assert result.exit_code == 0, result.output
+    assert "int8 bytes fraction 1.0000" in result.output
+    assert "chain  qconv2d+requant" in result.output
+    assert (tmp_path / "ir" / "00-import.qir").is_file()

@@ -17,6 +17,10 @@ SLOW = ["resnet50", "bert_encoder"]
 def _run(name: str) -> dict:
     report = run_recipe(load_recipe(RECIPES / f"{name}.yaml"))
     assert report["targets"]["pt2e"]["status"] == "ok"
+    assert report["target"] == "reference", report["targets"]["reference"]
+    vs_pt2e = report["exactness"]["vs_pt2e"]
+    if vs_pt2e["within_one_step_fraction"] is not None:   # None: no int8 node to compare
+        assert vs_pt2e["within_one_step_fraction"] == 1.0, vs_pt2e["worst"]
     failed = [c for c in report["accuracy"]["checks"] if not c["passed"]]
     assert report["accuracy"]["passed"], failed
     return report
@@ -30,7 +34,8 @@ def test_recipe_meets_thresholds(name):
         assert report["accuracy"]["float"]["accuracy"] >= 0.97
         assert report["accuracy"]["int8"]["accuracy"] >= 0.97
     if name == "efficientnet_lite0":
-        assert report["accuracy"]["compare"]["top1_agreement"] >= 0.90
+        pt2e = report["targets"]["pt2e"]["accuracy"]["compare"]
+        assert pt2e["top1_agreement"] >= 0.90
     if name == "minilm":
         assert report["evaluation"]["samples"] >= 200
         assert report["accuracy"]["compare"]["cosine"] >= 0.99

@@ -51,9 +51,11 @@ def location(n: torch.fx.Node) -> str:
 
 
 class _Importer:
-    def __init__(self, gm: torch.fx.GraphModule, name: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, name: str,
+                 concrete: dict[torch.fx.Node, Any] | None = None) -> None:
         self.gm, self.name = gm, name
         self.values: dict[torch.fx.Node, Any] = {}
+        self.concrete = concrete or {}
 
     def run(self) -> Graph:
         inputs, outputs = [], ()
@@ -63,6 +65,8 @@ class _Importer:
                 inputs.append(self.values[n])
             elif n.op == "get_attr":
                 self.values[n] = self._const(_fetch(self.gm, n.target), loc=n.target)
+            elif n.op == "call_function" and n in self.concrete:
+                self.values[n] = self.concrete[n]   # ints and asserts: folded at import
             elif n.op == "call_function":
                 self.values[n] = self._call(n)
             elif n.op == "output":
@@ -125,11 +129,15 @@ class _Importer:
 
         def template(v: Any) -> Any:
             if isinstance(v, torch.fx.Node):
-                src.append(self._tensor(self.values[v]))
+                if not isinstance(self.values[v], Node):
+                    return self.values[v]          # a folded integer
+                src.append(self.values[v])
                 return ("%", len(src) - 1)
             if isinstance(v, list | tuple):
                 return tuple(template(x) for x in v)
-            if isinstance(v, torch.dtype | torch.device | torch.memory_format | torch.layout):
+            if isinstance(v, torch.device):
+                return ("device", str(v))
+            if isinstance(v, torch.dtype | torch.memory_format | torch.layout):
                 return ("torch", str(v).removeprefix("torch."))
             return v
 
@@ -411,4 +419,22 @@ def import_graph(gm: torch.fx.GraphModule, example_inputs: tuple[torch.Tensor, .
     """QIR for ``gm`` specialised to the shapes of ``example_inputs``."""
     with torch.no_grad():
         ShapeProp(gm).propagate(*example_inputs)
-    return _Importer(gm, name).run()
+        concrete = _concrete_values(gm, example_inputs)
+    return _Importer(gm, name, concrete).run()
+
+
+def _concrete_values(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]
+                     ) -> dict[torch.fx.Node, Any]:
+    """Non-tensor results (``sym_size`` and the integer arithmetic of a dynamic-batch export),
+    which a static-shaped QIR folds to constants."""
+    found: dict[torch.fx.Node, Any] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            if n.op == "call_function" and not isinstance(out, torch.Tensor):
+                found[n] = out
+            return out
+
+    Recorder(gm).run(*inputs)
+    return found

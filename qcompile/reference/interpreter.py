@@ -238,6 +238,8 @@ def _float_op(n: Node, v: list[np.ndarray]) -> np.ndarray:
             return tensors[t[1]]
         if isinstance(t, tuple) and len(t) == 2 and t[0] == "torch":
             return getattr(torch, t[1])
+        if isinstance(t, tuple) and len(t) == 2 and t[0] == "device":
+            return torch.device(t[1])
         if isinstance(t, tuple):
             return [fill(x) for x in t]
         return t
@@ -252,6 +254,13 @@ def resolve_aten(name: str) -> Any:
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def execute(n: Node, values: list[np.ndarray]) -> np.ndarray:
+    """One node on its operands' values."""
+    if n.op is Op.CONST:
+        return n.attrs.value
+    return _IMPLS[n.op](n, values)
 
 
 def run(graph: Graph, *inputs: np.ndarray, trace: dict[int, np.ndarray] | None = None
