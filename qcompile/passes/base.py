@@ -108,3 +108,14 @@ def same_grid(a: QParams, b: QParams) -> bool:
 
 def full_range(qp: QParams) -> bool:
     return (qp.qmin, qp.qmax) == qp.dtype.range
+
+
+def quantized_producer(n: Node, ctx: Context, ops: frozenset[Op] | None = None) -> Node | None:
+    """The producer ``p`` when ``n`` is ``quant(p)`` per tensor and ``p`` has no other user (and
+    is one of ``ops``, when given): the root every fusion rule starts from."""
+    if n.op is not Op.QUANT or not n.attrs.qp.per_tensor:
+        return None
+    inner = n.src[0]
+    if (ops is not None and inner.op not in ops) or not ctx.single_user(inner):
+        return None
+    return inner

@@ -16,7 +16,7 @@ import dataclasses
 import math
 
 from qcompile.ir.graph import Node, Op
-from qcompile.passes.base import Context, RewritePass
+from qcompile.passes.base import Context, RewritePass, quantized_producer
 
 
 def _code(v: float, s: float, zp: int) -> int:
@@ -27,10 +27,8 @@ class FoldReluIntoQuant(RewritePass):
     name = "fold-relu-into-quant"
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op is not Op.QUANT or not n.attrs.qp.per_tensor:
-            return None
-        act = n.src[0]
-        if act.op not in (Op.RELU, Op.CLAMP) or not ctx.single_user(act):
+        act = quantized_producer(n, ctx, frozenset({Op.RELU, Op.CLAMP}))
+        if act is None:
             return None
         qp = n.attrs.qp
         lo, hi = (0.0, math.inf) if act.op is Op.RELU else (act.attrs.lo, act.attrs.hi)

@@ -12,20 +12,18 @@ registers and writes only int8.
 
 from __future__ import annotations
 
-from qcompile.ir.graph import Node, Op
+from qcompile.ir.graph import Node
 from qcompile.passes._anchor import int8_anchor
 from qcompile.passes._build import requant
-from qcompile.passes.base import Context, RewritePass
+from qcompile.passes.base import Context, RewritePass, quantized_producer
 
 
 class FuseContractionRequant(RewritePass):
     name = "fuse-contraction-requant"
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op is not Op.QUANT or not n.attrs.qp.per_tensor:
-            return None
-        inner = n.src[0]
-        if not ctx.single_user(inner):
+        inner = quantized_producer(n, ctx)
+        if inner is None:
             return None
         anchor = int8_anchor(inner)
         if anchor is None:

@@ -15,17 +15,15 @@ from __future__ import annotations
 from qcompile.ir.graph import Node, Op, node
 from qcompile.ir.types import DType
 from qcompile.passes._build import requant
-from qcompile.passes.base import Context, RewritePass, dequant_of
+from qcompile.passes.base import Context, RewritePass, dequant_of, quantized_producer
 
 
 class FuseInt8AddMul(RewritePass):
     name = "fuse-int8-add-mul"
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op is not Op.QUANT or not n.attrs.qp.per_tensor:
-            return None
-        inner = n.src[0]
-        if inner.op not in (Op.ADD, Op.MUL) or not ctx.single_user(inner):
+        inner = quantized_producer(n, ctx, frozenset({Op.ADD, Op.MUL}))
+        if inner is None:
             return None
         qa, qb = dequant_of(inner.src[0]), dequant_of(inner.src[1])
         if qa is None or qb is None or not (qa.per_tensor and qb.per_tensor):

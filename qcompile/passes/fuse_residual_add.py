@@ -17,17 +17,15 @@ import numpy as np
 from qcompile.ir.graph import Node, Op
 from qcompile.passes._anchor import int8_anchor
 from qcompile.passes._build import requant
-from qcompile.passes.base import Context, RewritePass, dequant_of
+from qcompile.passes.base import Context, RewritePass, dequant_of, quantized_producer
 
 
 class FuseResidualAdd(RewritePass):
     name = "fuse-residual-add"
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op is not Op.QUANT or not n.attrs.qp.per_tensor:
-            return None
-        add = n.src[0]
-        if add.op is not Op.ADD or not ctx.single_user(add):
+        add = quantized_producer(n, ctx, frozenset({Op.ADD}))
+        if add is None:
             return None
         for main, other in ((add.src[0], add.src[1]), (add.src[1], add.src[0])):
             r_qp = dequant_of(other)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from qcompile.ir.graph import Node, Op, node
 from qcompile.ir.types import DType
 from qcompile.passes._build import requant, rescale
-from qcompile.passes.base import Context, RewritePass, dequant_of
+from qcompile.passes.base import Context, RewritePass, dequant_of, quantized_producer
 
 MOVES = (Op.MAXPOOL2D, Op.RESHAPE, Op.PERMUTE, Op.PAD)
 
@@ -26,10 +26,8 @@ class Int8DataMovement(RewritePass):
     name = "int8-data-movement"
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op is not Op.QUANT or not n.attrs.qp.per_tensor:
-            return None
-        inner = n.src[0]
-        if not ctx.single_user(inner):
+        inner = quantized_producer(n, ctx)
+        if inner is None:
             return None
         if inner.op is Op.CAT:
             return _cat(n, inner)

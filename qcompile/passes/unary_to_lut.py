@@ -17,17 +17,15 @@ import torch
 
 from qcompile.ir import qmath
 from qcompile.ir.graph import UNARY_FLOAT, Node, Op, node
-from qcompile.passes.base import Context, RewritePass, dequant_of
+from qcompile.passes.base import Context, RewritePass, dequant_of, quantized_producer
 
 
 class UnaryToLut(RewritePass):
     name = "unary-to-lut"
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op is not Op.QUANT or not n.attrs.qp.per_tensor:
-            return None
-        inner = n.src[0]
-        if inner.op not in UNARY_FLOAT or not ctx.single_user(inner):
+        inner = quantized_producer(n, ctx, UNARY_FLOAT)
+        if inner is None:
             return None
         x_qp = dequant_of(inner.src[0])
         if x_qp is None or not x_qp.per_tensor:
