@@ -89,7 +89,7 @@ class ModelSection(_Strict):
 
 
 class QuantizerSection(_Strict):
-    kind: Literal["x86"] = "x86"
+    kind: Literal["x86", "qcompile"] = "x86"
     weights: Literal["per_channel_symmetric", "per_tensor_symmetric"] = "per_channel_symmetric"
     activations: Literal["per_tensor_affine", "per_tensor_symmetric"] = "per_tensor_affine"
     skip: list[str] = Field(default_factory=list, description="module names kept in float")

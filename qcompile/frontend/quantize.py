@@ -130,7 +130,12 @@ def make_quantizer(config: QuantizeConfig, module: nn.Module) -> Any:
     qconfig = x86_config(config.method, per_channel=config.weights == "per_channel_symmetric",
                          symmetric_activations=config.activations == "per_tensor_symmetric",
                          **config.method_options)
-    quantizer = X86InductorQuantizer()
+    if config.quantizer == "qcompile":
+        from qcompile.frontend.quantizer import QCompileQuantizer
+
+        quantizer = QCompileQuantizer()
+    else:
+        quantizer = X86InductorQuantizer()
     quantizer.set_global(qconfig)
     names = dict(module.named_modules())
     for name in config.skip:
