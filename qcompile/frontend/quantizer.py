@@ -20,7 +20,11 @@ annotation (weights, conv/linear fusion patterns) and extends it::
    input is observed in a window below each row's maximum instead, so masked logits clamp to the
    window floor, where e^-16 makes them vanish just as e^-10000 does.
 
-Modules given ``set_module_name_qconfig(name, None)`` stay float, as with the x86 quantizer.
+4. a relu/clamp right after a conv/linear/matmul chain that x86 did not fuse (functional
+   ``torch.relu``, ``relu6``) joins the chain: no quantize between the two.
+
+Modules given ``set_module_name_qconfig(name, None)`` stay float, as with the x86 quantizer;
+``float_residual_stream=True`` keeps a transformer's residual stream float (see the class).
 :func:`float_islands` lists what a converted graph still computes in float.
 """
 
@@ -50,7 +54,7 @@ with quiet_torchao():
     )
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import X86InductorQuantizer
 
-__all__ = ["QCompileQuantizer", "float_islands"]
+__all__ = ["QCompileQuantizer", "float_islands", "windowed"]
 
 KEY = "quantization_annotation"
 
@@ -77,12 +81,19 @@ class QCompileQuantizer(Quantizer):
 
     Same configuration surface as ``X86InductorQuantizer``: :meth:`set_global` and
     :meth:`set_module_name_qconfig` (``None`` keeps a module in float).
+
+    ``float_residual_stream=True`` keeps a transformer's residual stream in float: the sum
+    ``x + sublayer(x)`` feeding a LayerNorm and the LayerNorm output read back as the next
+    residual are not quantized (everything else stays int8). Per-tensor int8 cannot hold the
+    outlier features of real checkpoints there (MiniLM's pre-LayerNorm sums reach ±190 while
+    most features are below 1; Bondarenko et al., EMNLP 2021, locate the loss at this point).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, float_residual_stream: bool = False) -> None:
         super().__init__()
         self.global_config: QuantizationConfig | None = None
         self.module_name_qconfig: dict[str, QuantizationConfig | None] = {}
+        self.float_residual_stream = float_residual_stream
 
     def set_global(self, config: QuantizationConfig) -> QCompileQuantizer:
         self.global_config = config
@@ -99,16 +110,7 @@ class QCompileQuantizer(Quantizer):
             # the x86 recipe skips such a maxpool; we annotate it below
             warnings.filterwarnings("ignore", message="The input of maxpool2d is not quantized")
             self._x86().annotate(model)
-        derived = input_derived(model.graph)
-        mask_operands = _mask_operands(model.graph, derived)
-        for node in model.graph.nodes:
-            act = self._activation_spec(node)
-            if act is None or node.op != "call_function":
-                continue
-            if _is_annotated(node):
-                self._extend_x86(node, act)
-            elif node not in derived:  # mask/position arithmetic on integer inputs stays float
-                self._annotate_op(node, act, mask_operands.get(node))
+        _Annotator(model.graph, self._activation_spec, self.float_residual_stream).run()
         return model
 
     def validate(self, model: GraphModule) -> None:
@@ -122,61 +124,105 @@ class QCompileQuantizer(Quantizer):
             x86.set_module_name_qconfig(name, config)
         return x86
 
-    def _config(self, node: Node) -> QuantizationConfig | None:
-        for name, config in self.module_name_qconfig.items():
-            if get_module_name_filter(name)(node):
-                return config
-        return self.global_config
-
     def _activation_spec(self, node: Node) -> QuantizationSpec | None:
-        config = self._config(node)
+        """The activation spec of ``node``'s config (module name first, then global); ``None``
+        for a module kept in float."""
+        config = self.global_config
+        for name, module_config in self.module_name_qconfig.items():
+            if get_module_name_filter(name)(node):
+                config = module_config
+                break
         return None if config is None else config.input_activation
 
-    def _int8_readers(self, node: Node) -> list[Node]:
-        """Users that want ``node`` quantized: all but the graph output and float (skipped) ops."""
-        return [u for u in node.users if u.op != "output" and self._activation_spec(u)]
 
-    def _output_spec(self, node: Node, spec: Any) -> Any:
-        """``spec`` if some op reads ``node`` in int8, else ``None`` (float graph output)."""
-        readers = self._int8_readers(node)
-        if not readers:
+class _Annotator:
+    """One pass over an x86-annotated graph, in topological order (producers first)."""
+
+    def __init__(self, graph: torch.fx.Graph, spec_of: Any, float_residual: bool) -> None:
+        self.graph, self.spec_of = graph, spec_of
+        self.derived = _input_derived(graph)
+        self.masks = _mask_operands(graph, self.derived)
+        self.residual = _residual_stream(graph) if float_residual else set()
+        self.absorbed: set[Node] = set()  # relu/clamp ops fused into their producer's chain
+        self.chain_adds = {n for n in graph.nodes if op_name(n) == "add" and _is_annotated(n)
+                           and any(isinstance(a, Node) and _is_fused_anchor(a) for a in n.args)}
+
+    def run(self) -> None:
+        for node in self.graph.nodes:
+            act = self.spec_of(node)
+            if act is None or node.op != "call_function":
+                continue
+            if _is_annotated(node):
+                self.extend_x86(node, act)
+            elif node not in self.derived:  # mask/position arithmetic on integer inputs
+                self.annotate_op(node, act)
+
+    def int8_readers(self, node: Node) -> list[Node]:
+        """Users that want ``node`` quantized: all but the graph output and float (skipped) ops."""
+        return [u for u in node.users if u.op != "output" and self.spec_of(u) is not None
+                and isinstance(_val(u), torch.Tensor)]  # not sym_size and other shape queries
+
+    def output_spec(self, node: Node, spec: Any) -> Any:
+        """``spec`` if some op reads ``node`` in int8, else ``None`` (float graph output, a
+        chain that goes on into a relu/clamp, the float residual stream)."""
+        readers = self.int8_readers(node)
+        if not readers or node in self.residual or self.absorb_act(node):
             return None
         if any(_is_softmax_input(node, u) for u in readers) and isinstance(spec, QuantizationSpec):
             return windowed(spec)
         return spec
 
-    def _extend_x86(self, node: Node, act: QuantizationSpec) -> None:
+    def absorb_act(self, node: Node) -> bool:
+        """A chain output read only by a relu/clamp x86 did not fuse: the act joins the chain
+        (quantizing in between would cost a rounding and half the levels on negatives)."""
+        users = list(node.users)
+        act = users[0] if len(users) == 1 else None
+        if act is None or op_name(act) not in CHAIN_ACTS or _is_annotated(act) \
+                or act.args[0] is not node or self.spec_of(act) is None:
+            return False
+        if not (op_name(node) in ANCHORS or op_name(node) == "add" and node in self.chain_adds):
+            return False
+        self.absorbed.add(act)
+        return True
+
+    def extend_x86(self, node: Node, act: QuantizationSpec) -> None:
         """Quantize the residual of x86's linear+add (it leaves it float) and the output of a
         pattern x86 leaves unquantized when its consumer does not ask for int8."""
         ann = node.meta[KEY]
         if op_name(node) == "add":
             for arg in _float_args(node):
-                if arg not in ann.input_qspec_map and not _is_fused_anchor(arg):
+                if arg not in ann.input_qspec_map and not _is_fused_anchor(arg) \
+                        and arg not in self.residual:
                     ann.input_qspec_map[arg] = act
         if _is_pattern_output(ann) and ann.output_qspec is None and _is_float(node):
-            ann.output_qspec = self._output_spec(node, act)
+            ann.output_qspec = self.output_spec(node, act)
 
-    def _annotate_op(self, node: Node, act: QuantizationSpec, mask: Node | None) -> None:
+    def annotate_op(self, node: Node, act: QuantizationSpec) -> None:
+        """Annotate an op x86 left alone by its role (module docstring, points 2-4)."""
         name, args = op_name(node), _float_args(node)
+        inputs: dict[Node, Any]
+        output: Any
         if not args:
             return
-        inputs: dict[Node, Any]
-        if name in CAT:
+        if node in self.absorbed:
+            inputs, output = {}, act
+        elif name in CAT:
             first = args[0]
             inputs = {a: SharedQuantizationSpec((first, node)) for a in args}
             inputs[first] = act
-            output: Any = SharedQuantizationSpec((first, node))
+            output = SharedQuantizationSpec((first, node))
         elif name in SHARED and _shares_qparams(node):
             inputs, output = {args[0]: act}, SharedQuantizationSpec((args[0], node))
         elif _own_output_role(node, name, args):
-            inputs = {a: act for a in args if a is not mask}
+            keep_float = {self.masks.get(node)} | self.residual
+            inputs = {a: act for a in args if a not in keep_float}
             if name in SOFTMAX and _softmax_on_last_dim(node):
                 inputs[args[0]] = windowed(act)
             output = act
         else:
             return
         node.meta[KEY] = QuantizationAnnotation(
-            input_qspec_map=inputs, output_qspec=self._output_spec(node, output), _annotated=True)
+            input_qspec_map=inputs, output_qspec=self.output_spec(node, output), _annotated=True)
 
 
 def _own_output_role(node: Node, name: str, args: list[Node]) -> bool:
@@ -250,13 +296,15 @@ def _is_softmax_input(node: Node, user: Node) -> bool:
     return op_name(user) in SOFTMAX and user.args[0] is node and _softmax_on_last_dim(user)
 
 
-def input_derived(graph: torch.fx.Graph) -> set[Node]:
+def _input_derived(graph: torch.fx.Graph) -> set[Node]:
     """Nodes computed from the integer graph inputs alone, without a parameter or a quantized
     value on the way: attention-mask and position arithmetic on ``attention_mask``/ids."""
     derived: set[Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" and not _is_float(node) or node.op == "call_function" and op_name(node) not in QUANT_OPS | DEQUANT_OPS and all(
-                a in derived for a in node.all_input_nodes):
+        integer_input = node.op == "placeholder" and not _is_float(node)
+        computed = node.op == "call_function" and op_name(node) not in QUANT_OPS | DEQUANT_OPS \
+            and all(a in derived for a in node.all_input_nodes)
+        if integer_input or computed:
             derived.add(node)
     return derived
 
@@ -275,6 +323,12 @@ def _mask_operands(graph: torch.fx.Graph, derived: set[Node]) -> dict[Node, Node
     return masks
 
 
+def _residual_stream(graph: torch.fx.Graph) -> set[Node]:
+    """Residual sums read by a LayerNorm, and LayerNorm outputs read back by a residual sum."""
+    norms = [n for n in graph.nodes if op_name(n) == "layer_norm"]
+    sums = {n.args[0] for n in norms if isinstance(n.args[0], Node) and op_name(n.args[0]) == "add"}
+    return sums | {n for n in norms if any(u in sums for u in n.users)}
+
 
 # ---------------------------------------------------------------------------------------------
 # the softmax-input observer
@@ -291,9 +345,9 @@ def windowed(spec: QuantizationSpec) -> QuantizationSpec:
 
 
 @functools.cache
-def _windowed_class(base: type) -> type:
+def _windowed_class(base: Any) -> Any:
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        if x.numel():
+        if x.dim() and x.numel():
             base.forward(self, torch.maximum(x, x.amax(-1, keepdim=True) - SOFTMAX_WINDOW))
         return x
 
@@ -318,7 +372,7 @@ def float_islands(gm: GraphModule) -> list[dict[str, Any]]:
     attention-mask bias), ``float weights`` (a conv/linear kept float) or ``float activation``.
     """
     tail = _output_tail(gm.graph)
-    derived = input_derived(gm.graph)
+    derived = _input_derived(gm.graph)
     islands = []
     for node in gm.graph.nodes:
         if not _is_compute(node) or not _is_float(node) or node in tail:
@@ -364,7 +418,8 @@ def _output_tail(graph: torch.fx.Graph) -> set[Node]:
     nodes): the final computation, which may stay float."""
     tail: set[Node] = set()
     for node in reversed(graph.nodes):
-        users = [u for u in node.users if u.op == "output" or _is_compute(u)]
+        users = [u for u in node.users if u.op == "output" or _is_compute(u)
+                 or op_name(u) in QUANT_OPS]  # read in int8 elsewhere: not just the output
         if _is_compute(node) and users and all(u.op == "output" or u in tail for u in users):
             tail.add(node)
     return tail
