@@ -1,0 +1,1 @@
+"""Code generation: QIR → MLIR → IREE (``cpu``)."""

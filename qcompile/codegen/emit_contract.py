@@ -1,0 +1,299 @@
+"""Emitters of the integer contractions and pools.
+
+Contractions are written in the form IREE's fast int8 path recognises (see the IREE int8 study):
+a ``linalg.generic`` over ``extui(u8 activation) * extsi(s8 weight)`` into a zero-filled i32
+accumulator. The activation zero point is folded into the bias at compile time
+(``sum (x - zp) w = sum x w - zp * sum w``) and the bias is added by the consumer's epilogue
+(:class:`qcompile.codegen.mlir_emit.Acc`). Signed int8 activations are flipped to u8
+(``x ^ 0x80``, zero point + 128) first.
+
+Convolutions (NHWC; NCHW operands are transposed at the edges):
+
+* 1×1, no padding: the activation is the GEMM's LHS as it is (strided slice first);
+* K×K: an im2col of KH·KW strided slices of the zero-point-padded input, then one GEMM;
+* grouped and depthwise: one direct window ``linalg.generic`` per group layout.
+
+An M=1 GEMM (a classifier at batch 1) is computed on two rows: IREE's inner-tiled VNNI path
+cannot tile a vector times a matrix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from iree.compiler import ir
+from iree.compiler.dialects import arith
+
+from qcompile.codegen import builder as b
+from qcompile.codegen.builder import TV
+from qcompile.codegen.mlir_emit import Acc, Emitter, Value, emits, materialize, unsupported
+from qcompile.ir.graph import Node, Op
+from qcompile.ir.types import DType
+
+I32_MIN, I32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+
+
+def as_u8(x: TV, zp: int) -> tuple[TV, int]:
+    """Signed int8 activations become u8 (``x ^ 0x80``) with zero point ``zp + 128``."""
+    if x.dtype is not DType.I8:
+        return x, zp
+    flipped = b.elementwise([x], x.shape, DType.U8,
+                            lambda a, _o: arith.xori(a, b.ci(-128, 8)))
+    return flipped, zp + 128
+
+
+def folded_bias(bias: np.ndarray, w_rows: np.ndarray, zp: int, where: Node) -> np.ndarray:
+    """``bias - zp * rowsum(W)`` (checked to fit i32)."""
+    out = bias.astype(np.int64) - int(zp) * w_rows.reshape(w_rows.shape[0], -1).astype(
+        np.int64).sum(axis=1)
+    if out.min(initial=0) < I32_MIN or out.max(initial=0) > I32_MAX:
+        raise unsupported(where, "folded bias overflows i32")
+    return out
+
+
+def gemm_u8s8(a: TV, w: np.ndarray) -> TV:
+    """``a[M,K]`` (u8, or s8 for the GEMV form) times ``w[N,K]`` (s8, constant) → i32
+    ``[M,N]``, zero-initialised."""
+    m, k = a.shape
+    nn = w.shape[0]
+    wc = b.constant(w, DType.I8)
+    d = b.dims(3)
+    maps = [b.amap(3, [d[0], d[2]]), b.amap(3, [d[1], d[2]]), b.amap(3, [d[0], d[1]])]
+    init = b.filled((m, nn), DType.I32, b.ci(0, 32))
+
+    def body(x: ir.Value, y: ir.Value, acc: ir.Value) -> ir.Value:
+        return arith.addi(acc, arith.muli(b.widen(x, a.dtype, 32), b.widen(y, DType.I8, 32)))
+
+    res = b.generic([a.value, wc.value], [a.dtype, DType.I8], (m, nn), [DType.I32], maps,
+                    ["parallel", "parallel", "reduction"], body, inits=[init])
+    return TV(res[0], DType.I32, (m, nn))
+
+
+def contract_rows(a: TV, zp: int, w: np.ndarray, bias: np.ndarray, where: Node) -> tuple[TV,
+                                                                                     np.ndarray]:
+    """The GEMM of u8 rows ``a`` with ``w[N,K]`` and the bias its epilogue must add.
+
+    IREE 3.13's inner-tiled path cannot tile a one-row GEMM (a classifier at batch 1): that row
+    is padded to two and row 0 is sliced out of the result, past a barrier (IREE fails when the
+    slice shares the GEMM's dispatch). Such a chain is two dispatches; its i32 row is written."""
+    if a.shape[0] != 1:
+        return gemm_u8s8(a, w), folded_bias(bias, w, zp, where)
+    two = b.pad(a, [0, 0], [1, 0], b.ci(zp, 8))
+    acc = b.extract_slice(b.barrier(gemm_u8s8(two, w)), [0, 0], [1, w.shape[0]], [1, 1])
+    return acc, folded_bias(bias, w, zp, where)
+
+
+@emits(Op.QLINEAR)
+def _qlinear(em: Emitter, n: Node, v: list[Value]) -> Value:
+    x, zp = as_u8(materialize(v[0]), n.attrs.x_zp)
+    w, bias = np.asarray(n.src[1].attrs.value), np.asarray(n.src[2].attrs.value)
+    k = x.shape[-1]
+    rows = b.reshape(x, (int(np.prod(x.shape[:-1])), k))
+    acc, folded = contract_rows(rows, zp, w, bias, n)
+    return Acc(b.reshape(acc, n.shape), folded, len(n.shape) - 1)
+
+
+def _weights_ohwi(n: Node) -> np.ndarray:
+    w = np.asarray(n.src[1].attrs.value)
+    return w if n.attrs.get("layout") == "nhwc" else np.transpose(w, (0, 2, 3, 1))
+
+
+@emits(Op.QCONV2D)
+def _qconv(em: Emitter, n: Node, v: list[Value]) -> Value:
+    a = n.attrs
+    nchw = a.get("layout") != "nhwc"
+    x = materialize(v[0])
+    if nchw:
+        x = b.transpose(x, (0, 2, 3, 1))
+    x, zp = as_u8(x, a.x_zp)
+    w = _weights_ohwi(n)
+    bias = np.asarray(n.src[2].attrs.value)
+    (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
+    with em.loc(n, ".copy"):
+        xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, 0], b.ci(zp, 8))
+    f, kh, kw, cg = w.shape
+    nb, _, _, c = x.shape
+    oh, ow = (n.shape[2], n.shape[3]) if nchw else (n.shape[1], n.shape[2])
+    if a.groups == 1:
+        with em.loc(n, ".copy"):
+            rows = _im2col(xp, (kh, kw), (sh, sw), (dh, dw), (oh, ow))
+        acc, folded = contract_rows(rows, zp, w.reshape(f, -1), bias, n)
+        out = b.reshape(acc, (nb, oh, ow, f))
+    else:
+        out = _grouped(xp, w, a.groups, (sh, sw), (dh, dw), (oh, ow))
+        folded = folded_bias(bias, w, zp, n)
+    if nchw:
+        out = b.transpose(out, (0, 3, 1, 2))
+    return Acc(out, folded, 1 if nchw else 3)
+
+
+def _im2col(xp: TV, k: tuple[int, int], s: tuple[int, int], d: tuple[int, int],
+            o: tuple[int, int]) -> TV:
+    """Rows ``[N*OH*OW, KH*KW*C]`` of the padded NHWC input, built from strided slices."""
+    nb, c = xp.shape[0], xp.shape[3]
+    sizes = [nb, o[0], o[1], c]
+    if k == (1, 1):
+        part = b.extract_slice(xp, [0, 0, 0, 0], sizes, [1, s[0], s[1], 1])
+        return b.reshape(part, (nb * o[0] * o[1], c))
+    col = TV(b.empty((nb, o[0], o[1], k[0] * k[1], c), xp.dtype), xp.dtype,
+             (nb, o[0], o[1], k[0] * k[1], c))
+    for i in range(k[0]):
+        for j in range(k[1]):
+            part = b.extract_slice(xp, [0, i * d[0], j * d[1], 0], sizes, [1, s[0], s[1], 1])
+            col = b.insert_slice(part, col, [0, 0, 0, i * k[1] + j, 0],
+                                 [nb, o[0], o[1], 1, c])
+    return b.reshape(col, (nb * o[0] * o[1], k[0] * k[1] * c))
+
+
+def _grouped(xp: TV, w: np.ndarray, groups: int, s: tuple[int, int], dl: tuple[int, int],
+             o: tuple[int, int]) -> TV:
+    """Direct window convolution per group: loops (n, oh, ow, g, [fg], kh, kw, [cg])."""
+    f, kh, kw, cg = w.shape
+    fg = f // groups
+    nb = xp.shape[0]
+    depthwise = fg == 1 and cg == 1
+    if depthwise:
+        names = ["n", "oh", "ow", "g", "kh", "kw"]
+        x = xp
+        wt = np.transpose(w.reshape(groups, kh, kw), (1, 2, 0))     # KH, KW, C
+    else:
+        names = ["n", "oh", "ow", "g", "fg", "kh", "kw", "cg"]
+        x = b.reshape(xp, (*xp.shape[:3], groups, cg))
+        wt = w.reshape(groups, fg, kh, kw, cg)
+    d = dict(zip(names, b.dims(len(names)), strict=True))
+    h = d["oh"] * s[0] + d["kh"] * dl[0]
+    ww = d["ow"] * s[1] + d["kw"] * dl[1]
+    nd = len(names)
+    if depthwise:
+        x_map = b.amap(nd, [d["n"], h, ww, d["g"]])
+        w_map = b.amap(nd, [d["kh"], d["kw"], d["g"]])
+        out_shape: tuple[int, ...] = (nb, o[0], o[1], groups)
+        o_map = b.amap(nd, [d["n"], d["oh"], d["ow"], d["g"]])
+    else:
+        x_map = b.amap(nd, [d["n"], h, ww, d["g"], d["cg"]])
+        w_map = b.amap(nd, [d["g"], d["fg"], d["kh"], d["kw"], d["cg"]])
+        out_shape = (nb, o[0], o[1], groups, fg)
+        o_map = b.amap(nd, [d["n"], d["oh"], d["ow"], d["g"], d["fg"]])
+    wc = b.constant(wt, DType.I8)
+    iters = ["reduction" if k in ("kh", "kw", "cg") else "parallel" for k in names]
+    init = b.filled(out_shape, DType.I32, b.ci(0, 32))
+
+    def body(xv: ir.Value, wv: ir.Value, acc: ir.Value) -> ir.Value:
+        return arith.addi(acc, arith.muli(b.widen(xv, DType.U8, 32), b.widen(wv, DType.I8, 32)))
+
+    res = b.generic([x.value, wc.value], [DType.U8, DType.I8], out_shape, [DType.I32],
+                    [x_map, w_map, o_map], iters, body, inits=[init])
+    return b.reshape(TV(res[0], DType.I32, out_shape), (nb, o[0], o[1], f))
+
+
+def _batch_map(shape: tuple[int, ...], out: tuple[int, ...], d: list, tail: list) -> ir.AffineMap:
+    lead = len(out) - 2
+    own = len(shape) - 2
+    exprs: list = []
+    for i in range(own):
+        j = lead - own + i
+        exprs.append(0 if shape[i] == 1 and out[j] != 1 else d[j])
+    return b.amap(len(d), exprs + tail)
+
+
+@emits(Op.QMATMUL)
+def _qmatmul(em: Emitter, n: Node, v: list[Value]) -> Value:
+    """Activation × activation (attention): ``(a - za)(b - zb)`` summed in i32, batched."""
+    x, y = materialize(v[0]), materialize(v[1])
+    za, zb = n.attrs.a_zp, n.attrs.b_zp
+    out = n.shape
+    nd = len(out) + 1
+    d = b.dims(nd)
+    m, nn, k = d[len(out) - 2], d[len(out) - 1], d[len(out)]
+    maps = [_batch_map(x.shape, out, d, [m, k]), _batch_map(y.shape, out, d, [k, nn]),
+            b.amap(nd, d[:len(out)])]
+    init = b.filled(out, DType.I32, b.ci(0, 32))
+
+    def body(p: ir.Value, q: ir.Value, acc: ir.Value) -> ir.Value:
+        p32 = arith.subi(b.widen(p, x.dtype, 32), b.ci(za, 32))
+        q32 = arith.subi(b.widen(q, y.dtype, 32), b.ci(zb, 32))
+        return arith.addi(acc, arith.muli(p32, q32))
+
+    res = b.generic([x.value, y.value], [x.dtype, y.dtype], out, [DType.I32], maps,
+                    ["parallel"] * len(out) + ["reduction"], body, inits=[init])
+    return TV(res[0], DType.I32, out)
+
+
+@emits(Op.QMUL)
+def _qmul(em: Emitter, n: Node, v: list[Value]) -> Value:
+    x, y = materialize(v[0]), materialize(v[1])
+    za, zb = n.attrs.a_zp, n.attrs.b_zp
+
+    def body(p: ir.Value, q: ir.Value, _o: ir.Value) -> ir.Value:
+        return arith.muli(arith.subi(b.widen(p, x.dtype, 32), b.ci(za, 32)),
+                          arith.subi(b.widen(q, y.dtype, 32), b.ci(zb, 32)))
+
+    return b.elementwise([x, y], n.shape, DType.I32, body)
+
+
+@emits(Op.QSUM)
+def _qsum(em: Emitter, n: Node, v: list[Value]) -> Value:
+    x = materialize(v[0])
+    zp = n.attrs.x_zp
+    red = {dd % len(x.shape) for dd in n.attrs.dims}
+    d = b.dims(len(x.shape))
+    kept = [d[i] if i not in red else 0 for i in range(len(x.shape))]
+    o_exprs = kept if n.attrs.keepdim else [d[i] for i in range(len(x.shape)) if i not in red]
+    init = b.filled(n.shape, DType.I32, b.ci(0, 32))
+    iters = ["reduction" if i in red else "parallel" for i in range(len(x.shape))]
+
+    def body(a: ir.Value, acc: ir.Value) -> ir.Value:
+        return arith.addi(acc, arith.subi(b.widen(a, x.dtype, 32), b.ci(zp, 32)))
+
+    res = b.generic([x.value], [x.dtype], n.shape, [DType.I32],
+                    [b.identity(len(x.shape)), b.amap(len(x.shape), o_exprs)], iters, body,
+                    inits=[init])
+    return TV(res[0], DType.I32, n.shape)
+
+
+def window_reduce(em: Emitter, n: Node, x: TV, pad_value: ir.Value, out_dtype: DType,
+            init_value: ir.Value, combine) -> TV:  # type: ignore[no-untyped-def]
+    """A pooling window reduction (NHWC or NCHW) over the padded input."""
+    a = n.attrs
+    nhwc = a.get("layout") == "nhwc"
+    (ph, pw), (sh, sw) = a.padding, a.stride
+    (dh, dw) = a.get("dilation", (1, 1))
+    kh, kw = a.kernel
+    hd, wd = (1, 2) if nhwc else (2, 3)
+    before = [0] * 4
+    before[hd], before[wd] = ph, pw
+    with em.loc(n, ".copy"):
+        xp = b.pad(x, before, before, pad_value)
+    d = b.dims(6)   # out dims 0..3, window 4, 5
+    x_exprs = list(d[:4])
+    x_exprs[hd] = d[hd] * sh + d[4] * dh
+    x_exprs[wd] = d[wd] * sw + d[5] * dw
+    window = b.empty((kh, kw), DType.I8)
+    init = b.filled(n.shape, out_dtype, init_value)
+    res = b.generic([xp.value, window], [x.dtype, DType.I8], n.shape, [out_dtype],
+                    [b.amap(6, x_exprs), b.amap(6, [d[4], d[5]]), b.amap(6, d[:4])],
+                    ["parallel"] * 4 + ["reduction"] * 2,
+                    lambda xv, _w, acc: combine(xv, acc), inits=[init])
+    return TV(res[0], out_dtype, n.shape)
+
+
+@emits(Op.QSUMPOOL2D)
+def _qsumpool(em: Emitter, n: Node, v: list[Value]) -> Value:
+    """Window sums of ``x - zp`` (padding holds the zero point, so it adds nothing)."""
+    x = materialize(v[0])
+    zp = n.attrs.x_zp
+    return window_reduce(em, n, x, b.ci(zp, 8), DType.I32, b.ci(0, 32),
+                   lambda xv, acc: arith.addi(acc, arith.subi(b.widen(xv, x.dtype, 32),
+                                                              b.ci(zp, 32))))
+
+
+@emits(Op.MAXPOOL2D)
+def _maxpool(em: Emitter, n: Node, v: list[Value]) -> Value:
+    x = materialize(v[0])
+    if x.dtype is DType.F32:
+        lowest = b.cf(float("-inf"))
+        return window_reduce(em, n, x, lowest, DType.F32, lowest, lambda xv, acc: arith.maximumf(xv,
+                                                                                           acc))
+    lo = x.dtype.range[0]
+    combine = arith.maxui if x.dtype is DType.U8 else arith.maxsi
+    return window_reduce(em, n, x, b.ci(lo, 8), x.dtype, b.ci(lo, 8),
+                   lambda xv, acc: combine(xv, acc))

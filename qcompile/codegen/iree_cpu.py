@@ -1,0 +1,136 @@
+"""``iree-compile`` for the host CPU and loading of the compiled modules.
+
+Flags (see the IREE int8 study): llvm-cpu for the host, data tiling with the inner-tiled VNNI
+path (u8 × s8 → ``vpdpbusd``) and its LLVM ukernels, padding fused into its consumer. Weights are
+module constants, so their packing is hoisted into initializers and runs once at load.
+
+IREE 3.13's inner-tiled path is experimental and fails on some shapes. A failed compile is retried
+with the workarounds below, in order; the one that worked is reported. When every attempt fails
+the MLIR is saved and the error names it with the exact ``iree-compile`` command.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qcompile.errors import CompileError
+
+TARGET_FLAGS = (
+    "--iree-hal-target-device=local",
+    "--iree-hal-local-target-device-backends=llvm-cpu",
+    "--iree-llvmcpu-target-cpu=host",
+)
+FAST_FLAGS = (
+    "--iree-opt-data-tiling",
+    "--iree-llvmcpu-enable-inner-tiled",
+    "--iree-llvmcpu-enable-llvm-ukernels=inner_tiled",
+    "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops",
+)
+# (name, flags replacing FAST_FLAGS) tried in order after the fast configuration fails
+WORKAROUNDS = (
+    ("no-inner-tiled", ("--iree-opt-data-tiling",
+                        "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops")),
+    ("no-data-tiling", ("--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops",)),
+)
+COMPILE_TIMEOUT_S = 900
+
+
+def iree_compile_path() -> str:
+    from iree.compiler.tools import binaries
+
+    return binaries.find_tool("iree-compile")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    vmfb: bytes
+    flags: tuple[str, ...]
+    workaround: str | None
+
+
+def compile_mlir(mlir: str, *, keep_dir: str | Path | None, name: str = "model") -> Compiled:
+    """Compile ``mlir`` for the host CPU (with the workaround ladder)."""
+    attempts = [(None, FAST_FLAGS), *WORKAROUNDS]
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="qcompile-") as tmp:
+        src = Path(tmp) / f"{name}.mlir"
+        src.write_text(mlir, encoding="utf-8")
+        for workaround, extra in attempts:
+            flags = (*TARGET_FLAGS, *extra)
+            out = Path(tmp) / f"{name}.vmfb"
+            proc = _run([iree_compile_path(), str(src), "-o", str(out), *flags])
+            if proc.returncode == 0:
+                return Compiled(out.read_bytes(), flags, workaround)
+            errors.append(proc.stderr.strip())
+    raise _failure(mlir, (*TARGET_FLAGS, *FAST_FLAGS), errors, keep_dir, name)
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"timed out after {COMPILE_TIMEOUT_S}s")
+
+
+def _failure(mlir: str, flags: tuple[str, ...], errors: list[str], keep_dir: str | Path | None,
+             name: str) -> CompileError:
+    where = Path(keep_dir if keep_dir is not None else ".")
+    where.mkdir(parents=True, exist_ok=True)
+    saved = where / f"{name}.failed.mlir"
+    saved.write_text(mlir, encoding="utf-8")
+    argv = [iree_compile_path(), str(saved), "-o", str(where / f"{name}.vmfb"), *flags]
+    first = errors[0].splitlines() if errors else ["(no output)"]
+    return CompileError("iree-compile failed for target cpu", at=str(saved),
+                        why="\n".join(first[:12]),
+                        next=f"reproduce with: {shlex.join(argv)}")
+
+
+def compile_to_flow(mlir: str, flags: tuple[str, ...]) -> str:
+    """The flow-level IR (dispatch regions) with debug locations, for the kernel analysis."""
+    with tempfile.TemporaryDirectory(prefix="qcompile-") as tmp:
+        src = Path(tmp) / "m.mlir"
+        src.write_text(mlir, encoding="utf-8")
+        proc = _run([iree_compile_path(), str(src), "--compile-to=flow",
+                     "--mlir-print-debuginfo", *flags])
+        if proc.returncode != 0:
+            raise CompileError("iree-compile --compile-to=flow failed", why=proc.stderr[:2000])
+        return proc.stdout
+
+
+class Module:
+    """A loaded vmfb: ``main`` called with numpy arrays. Calls are serialised (one IREE context
+    per module; its task system already uses every core)."""
+
+    def __init__(self, vmfb: bytes, *, threads: int | None = None) -> None:
+        import iree.runtime as rt
+
+        flags = ["--task_topology_max_group_count=%d" % threads] if threads else []
+        self._config = rt.Config("local-task")
+        if flags:
+            rt.flags.parse_flags(*flags)
+        try:
+            vm = rt.VmModule.copy_buffer(self._config.vm_instance, vmfb)
+        except (RuntimeError, ValueError) as err:
+            from qcompile.errors import ArtifactError
+
+            raise ArtifactError("cannot load the compiled IREE module", why=str(err)[:500],
+                                next="recompile the model (qcompile compile RECIPE -o ...)"
+                                ) from err
+        self._ctx = rt.SystemContext(config=self._config)
+        self._ctx.add_vm_module(vm)
+        self._main = self._ctx.modules.module["main"]
+        self._lock = threading.Lock()
+
+    def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
+        with self._lock:
+            out = self._main(*[np.ascontiguousarray(x) for x in inputs])
+            outs = out if isinstance(out, list | tuple) else [out]
+            return [np.asarray(o.to_host()).copy() for o in outs]

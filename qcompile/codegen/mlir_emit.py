@@ -1,0 +1,274 @@
+"""QIR → MLIR (func/linalg/arith/tensor/math on tensors), built with IREE's bundled MLIR bindings
+and verified before it is handed to ``iree-compile``.
+
+One emitter per op kind, registered with :func:`emits`. Every op an emitter builds carries the
+location ``qir<K>`` of its QIR node (``qir<K>.copy`` for im2col/pad copies), so the dispatches
+IREE forms can be traced back to fused chains (:mod:`qcompile.codegen.kernels`).
+
+Integer arithmetic follows :mod:`qcompile.ir.qmath` exactly; contractions are u8 × s8 with the
+activation zero point folded into the bias (see :mod:`qcompile.codegen.emit_contract`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from iree.compiler import ir
+from iree.compiler.dialects import arith, func, math
+
+from qcompile.codegen import builder as b
+from qcompile.codegen.builder import TV
+from qcompile.errors import CompileError
+from qcompile.ir.graph import Graph, Node, Op
+from qcompile.ir.types import DType, Requant
+
+
+@dataclass(frozen=True)
+class Acc:
+    """An i32 contraction result whose per-channel bias (i32, zero-point terms folded in) is
+    added by its consumer's epilogue, so the accumulator init stays a plain zero fill."""
+
+    tv: TV
+    bias: np.ndarray | None      # per channel along ``axis``
+    axis: int
+
+
+Value = TV | Acc
+Emit = Callable[["Emitter", Node, list[Value]], Value]
+_EMITTERS: dict[Op, Emit] = {}
+
+
+def emits(*ops: Op) -> Callable[[Emit], Emit]:
+    def add(fn: Emit) -> Emit:
+        for op in ops:
+            _EMITTERS[op] = fn
+        return fn
+
+    return add
+
+
+def supported_ops() -> frozenset[Op]:
+    _load_emitters()
+    return frozenset(_EMITTERS)
+
+
+def _load_emitters() -> None:
+    from qcompile.codegen import emit_contract, emit_float  # noqa: F401 - registers emitters
+
+
+class Emitter:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.ids = {id(n): k for k, n in enumerate(graph.nodes())}
+
+    def loc(self, n: Node, part: str = "") -> ir.Location:
+        return ir.Location.name(f"qir{self.ids[id(n)]}{part}")
+
+    def emit_node(self, n: Node, operands: list[Value]) -> Value:
+        fn = _EMITTERS.get(n.op)
+        if fn is None:
+            raise unsupported(n, "no CPU lowering for this op")
+        with self.loc(n):
+            return fn(self, n, operands)
+
+
+def unsupported(n: Node, why: str) -> CompileError:
+    return CompileError(f"cpu: cannot lower QIR op '{n.op.value}'", at=f"{n.loc} "
+                        f"({n.dtype.value}{list(n.shape)})", why=why,
+                        next="keep the op out of the int8 region (quantizer skip list) or use "
+                             "target 'reference'")
+
+
+def emit_module(graph: Graph) -> ir.Module:
+    """The MLIR module of ``graph`` with one public function ``main`` (inputs → outputs)."""
+    _load_emitters()
+    ctx = ir.Context()
+    with ctx, ir.Location.unknown():
+        module = ir.Module.create()
+        em = Emitter(graph)
+        arg_types = [b.tensor_type(n.shape, n.dtype) for n in graph.inputs]
+        with ir.InsertionPoint(module.body):
+            @func.FuncOp.from_py_func(*arg_types, name="main")
+            def main(*args: ir.Value) -> list[ir.Value]:
+                values: dict[int, Value] = {
+                    id(n): TV(a, n.dtype, n.shape) for n, a in zip(graph.inputs, args,
+                                                                    strict=True)}
+                for n in graph.nodes():
+                    if id(n) not in values:
+                        values[id(n)] = em.emit_node(n, [values[id(s)] for s in n.src])
+                return [materialize(values[id(o)]) .value for o in graph.outputs]
+
+            del main
+        if not module.operation.verify():
+            raise CompileError("cpu: the emitted MLIR does not verify", why=str(module)[:2000])
+    return module
+
+
+# -- shared scalar rules -------------------------------------------------------------------
+
+def materialize(v: Value) -> TV:
+    """The i32 value of an :class:`Acc` with its bias added (when a non-epilogue reads it)."""
+    if isinstance(v, TV):
+        return v
+    if v.bias is None:
+        return v.tv
+    table = b.constant(v.bias.astype(np.int32), DType.I32)
+
+    def body(acc: ir.Value, _o: ir.Value) -> ir.Value:
+        return arith.addi(acc, b.extract(table, b.channel_index(v.axis)))
+
+    return b.elementwise([v.tv], v.tv.shape, DType.I32, body)
+
+
+def per_channel(values: tuple[int, ...] | np.ndarray, bits: int, axis: int | None
+                ) -> Callable[[], ir.Value]:
+    """A body-time getter of ``values[c]`` (a scalar constant when there is one value)."""
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.size == 1 or axis is None:
+        return lambda: b.ci(int(arr.reshape(-1)[0]), bits)
+    table = b.constant(arr.astype(np.int64 if bits == 64 else np.int32),
+                       DType.I64 if bits == 64 else DType.I32)
+    return lambda: b.extract(table, b.channel_index(axis))
+
+
+@emits(Op.CONST)
+def _const(em: Emitter, n: Node, v: list[Value]) -> Value:
+    return b.constant(np.asarray(n.attrs.value), n.dtype)
+
+
+@emits(Op.REQUANT)
+def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
+    """``clamp(round_shift(sum (x_i + bias_i - z_i) * M_i[c], s[c]) + zp)`` in i64."""
+    rq: Requant = n.attrs.rq
+    tvs = [x.tv if isinstance(x, Acc) else x for x in v]
+    biases = [per_channel(x.bias, 64, x.axis) if isinstance(x, Acc) and x.bias is not None
+              else None for x in v]
+    mults = [per_channel(t.multiplier, 64, rq.axis) for t in rq.terms]
+    shift = per_channel(rq.shift, 64, rq.axis)
+    rounding = per_channel(tuple(1 << (s - 1) for s in rq.shift), 64, rq.axis)
+
+    def body(*args: ir.Value) -> ir.Value:
+        total = None
+        for x, t, term, bias, mult in zip(args, tvs, rq.terms, biases, mults, strict=False):
+            x64 = b.widen(x, t.dtype, 64)
+            if bias is not None:
+                x64 = arith.addi(x64, bias())
+            if term.zero_point:
+                x64 = arith.subi(x64, b.ci(term.zero_point, 64))
+            prod = arith.muli(x64, mult())
+            total = prod if total is None else arith.addi(total, prod)
+        assert total is not None
+        rounded = arith.shrsi(arith.addi(total, rounding()), shift())
+        out = b.clamp_int(arith.addi(rounded, b.ci(rq.zp_out, 64)), rq.qmin, rq.qmax, 64)
+        return arith.trunci(b.int_type(8), out)
+
+    return b.elementwise(tvs, n.shape, n.dtype, body)
+
+
+@emits(Op.QUANT)
+def _quant(em: Emitter, n: Node, v: list[Value]) -> Value:
+    """PT2E's quantize: ``clamp(roundeven(x * (1/s)) + zp)`` in f32."""
+    qp = n.attrs.qp
+    x = materialize(v[0])
+    inv = np.float32(1.0) / np.asarray(qp.scale, dtype=np.float32)
+    axis = qp.axis
+    inv_f = _f32_channel(inv, axis)
+    zp_f = _f32_channel(np.asarray(qp.zero_point, dtype=np.float32), axis)
+
+    def body(a: ir.Value, _o: ir.Value) -> ir.Value:
+        r = arith.addf(math.roundeven(arith.mulf(a, inv_f())), zp_f())
+        r = arith.minimumf(arith.maximumf(r, b.cf(qp.qmin)), b.cf(qp.qmax))
+        return arith.trunci(b.int_type(8), arith.fptosi(b.int_type(32), r))
+
+    return b.elementwise([x], n.shape, n.dtype, body)
+
+
+def _f32_channel(values: np.ndarray, axis: int | None) -> Callable[[], ir.Value]:
+    if values.size == 1 or axis is None:
+        return lambda: b.cf(float(values.reshape(-1)[0]))
+    table = b.constant(values.astype(np.float32), DType.F32)
+    return lambda: b.extract(table, b.channel_index(axis))
+
+
+@emits(Op.DEQUANT)
+def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
+    """``f32(x + bias - zp) * s[c]``."""
+    qp = n.attrs.qp
+    src = v[0]
+    x = src.tv if isinstance(src, Acc) else src
+    bias = per_channel(src.bias, 32, src.axis) if isinstance(src, Acc) and \
+        src.bias is not None else None
+    zps = np.asarray(qp.zero_point)
+    zp = per_channel(qp.zero_point, 32, qp.axis) if np.any(zps) else None
+    scale = _f32_channel(np.asarray(qp.scale, dtype=np.float32), qp.axis)
+
+    def body(a: ir.Value, _o: ir.Value) -> ir.Value:
+        a32 = b.widen(a, x.dtype, 32)
+        if bias is not None:
+            a32 = arith.addi(a32, bias())
+        if zp is not None:
+            a32 = arith.subi(a32, zp())
+        return arith.mulf(arith.sitofp(ir.F32Type.get(), a32), scale())
+
+    return b.elementwise([x], n.shape, DType.F32, body)
+
+
+@emits(Op.LUT)
+def _lut(em: Emitter, n: Node, v: list[Value]) -> Value:
+    x = materialize(v[0])
+    table = b.constant(np.asarray(n.attrs.table), n.dtype)
+    lo = n.src[0].dtype.range[0]
+
+    def body(a: ir.Value, _o: ir.Value) -> ir.Value:
+        i = arith.subi(b.widen(a, x.dtype, 32), b.ci(lo, 32))
+        return b.extract(table, arith.index_cast(ir.IndexType.get(), i))
+
+    return b.elementwise([x], n.shape, n.dtype, body)
+
+
+# -- data movement (any dtype) --------------------------------------------------------------
+
+@emits(Op.RESHAPE)
+def _reshape(em: Emitter, n: Node, v: list[Value]) -> Value:
+    return b.reshape(materialize(v[0]), n.shape)
+
+
+@emits(Op.PERMUTE)
+def _permute(em: Emitter, n: Node, v: list[Value]) -> Value:
+    return b.transpose(materialize(v[0]), n.attrs.dims)
+
+
+@emits(Op.CAT)
+def _cat(em: Emitter, n: Node, v: list[Value]) -> Value:
+    parts = [materialize(x) for x in v]
+    axis = n.attrs.axis % len(n.shape)
+    out = TV(b.empty(n.shape, n.dtype), n.dtype, n.shape)
+    offset = 0
+    for p in parts:
+        offsets = [0] * len(n.shape)
+        offsets[axis] = offset
+        out = b.insert_slice(p, out, offsets, p.shape)
+        offset += p.shape[axis]
+    return out
+
+
+def scalar_of(dtype: DType, value: float | int) -> ir.Value:
+    if dtype is DType.F32:
+        return b.cf(float(value))
+    return b.ci(int(value), 8 if dtype.is_int8 else 32)
+
+
+@emits(Op.PAD)
+def _pad(em: Emitter, n: Node, v: list[Value]) -> Value:
+    x = materialize(v[0])
+    pads = n.attrs.pads
+    before, after = [0] * len(x.shape), [0] * len(x.shape)
+    for i in range(len(pads) // 2):   # torch order: last dim first
+        before[len(x.shape) - 1 - i] = pads[2 * i]
+        after[len(x.shape) - 1 - i] = pads[2 * i + 1]
+    if any(p < 0 for p in (*before, *after)):
+        raise unsupported(n, "negative padding (cropping) has no CPU lowering")
+    with em.loc(n, ".copy"):
+        return b.pad(x, before, after, scalar_of(n.dtype, n.attrs.value))
