@@ -10,6 +10,9 @@ so the two are compared code for code, two ways:
 * ``end_to_end_within_one_step_fraction``: the reference run on its own. One-step differences in
   early layers propagate, and networks with large noise gain (random-weight CNNs) amplify them, so
   this number is reported, not promised.
+
+PT2E's codes are NCHW; a node the channels-last pass put in NHWC is compared with PT2E's code
+transposed the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from qcompile.ir.graph import Graph, Node, Op
+from qcompile.passes.channels_last import TO_NHWC, is_layout_change, nhwc_values
 from qcompile.reference import interpreter
 
 
@@ -43,6 +47,17 @@ def _fx_name(n: Node) -> str | None:
     return n.loc.split()[-1] if n.loc else None
 
 
+def _code_of(n: Node, codes: dict[str, Any], nhwc: set[int]) -> np.ndarray | None:
+    """PT2E's code of the int8 node ``n``, in ``n``'s layout (None when PT2E has none; a layout
+    change inserted by channels-last shares its operand's location and is not compared twice)."""
+    if not n.dtype.is_int8 or is_layout_change(n):
+        return None
+    want = codes.get(_fx_name(n) or "")
+    if want is not None and id(n) in nhwc and want.ndim == 4:
+        return np.ascontiguousarray(np.transpose(want, TO_NHWC))
+    return want
+
+
 def compare(graph: Graph, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]
             ) -> dict[str, Any]:
     codes = pt2e_codes(gm, inputs)
@@ -52,10 +67,11 @@ def compare(graph: Graph, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, 
     worst: list[tuple[float, str]] = []
     finals = {id(_last_int8(o)) for o in graph.outputs if _last_int8(o) is not None}
     f_total = f_close = 0
+    nhwc = nhwc_values(graph)
     for n in graph.nodes():
         if not n.dtype.is_int8 or n.op in (Op.CONST, Op.INPUT):
             continue
-        want = codes.get(_fx_name(n) or "")
+        want = _code_of(n, codes, nhwc)
         if want is None or want.shape != trace[id(n)].shape:
             continue
         diff = np.abs(trace[id(n)].astype(np.int64) - want.astype(np.int64))
@@ -65,7 +81,7 @@ def compare(graph: Graph, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, 
         if id(n) in finals:
             f_total, f_close = f_total + diff.size, f_close + int(np.sum(diff <= 1))
     worst.sort()
-    local = _per_layer(graph, codes)
+    local = _per_layer(graph, codes, nhwc)
     return {**local,
             "end_to_end_within_one_step_fraction": close / total if total else None,
             "end_to_end_exact_fraction": exact / total if total else None,
@@ -74,12 +90,12 @@ def compare(graph: Graph, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, 
                                  for frac, loc in worst[:5]]}
 
 
-def _per_layer(graph: Graph, codes: dict[str, Any]) -> dict[str, Any]:
+def _per_layer(graph: Graph, codes: dict[str, Any], nhwc: set[int]) -> dict[str, Any]:
     def value(n: Node, memo: dict[int, np.ndarray]) -> np.ndarray:
         if n.op is Op.CONST:
             return n.attrs.value
-        if n.dtype.is_int8 and (_fx_name(n) or "") in codes:
-            return codes[_fx_name(n) or ""]
+        if (code := _code_of(n, codes, nhwc)) is not None:
+            return code
         if id(n) not in memo:
             memo[id(n)] = interpreter.execute(n, [value(s, memo) for s in n.src])
         return memo[id(n)]
@@ -87,7 +103,7 @@ def _per_layer(graph: Graph, codes: dict[str, Any]) -> dict[str, Any]:
     total = close = exact = 0
     worst: list[tuple[float, str]] = []
     for n in graph.nodes():
-        want = codes.get(_fx_name(n) or "") if n.dtype.is_int8 else None
+        want = _code_of(n, codes, nhwc)
         if want is None or n.op in (Op.CONST, Op.INPUT, Op.QUANT):
             continue
         got = interpreter.execute(n, [value(s, {}) for s in n.src])

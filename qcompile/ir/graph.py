@@ -40,11 +40,11 @@ class Op(Enum):
     GELU = "gelu"                   # attrs: approximate
     SIGMOID = "sigmoid"
     TANH = "tanh"
-    MAXPOOL2D = "maxpool2d"         # attrs: kernel, stride, padding, dilation (also on int8)
+    MAXPOOL2D = "maxpool2d"         # attrs: kernel, stride, padding, dilation, layout? (int8 too)
     AVGPOOL2D = "avgpool2d"         # attrs: kernel, stride, padding, divisor
     MEAN = "mean"                   # attrs: dims, keepdim
-    RESHAPE = "reshape"             # attrs: shape (also on int8)
-    PERMUTE = "permute"             # attrs: dims (also on int8)
+    RESHAPE = "reshape"             # attrs: shape, layout? (also on int8)
+    PERMUTE = "permute"             # attrs: dims, layout? (also on int8; layout: see channels-last)
     CAT = "cat"                     # attrs: axis (also on int8)
     PAD = "pad"                     # attrs: pads (torch order), value (also on int8)
     SOFTMAX = "softmax"             # attrs: axis

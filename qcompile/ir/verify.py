@@ -90,6 +90,42 @@ def _lut(n: Node) -> str | None:
     return _int_src(n, 0)
 
 
+def _layout(n: Node) -> str | None:
+    """Convolutions and pools are NCHW or NHWC (channels-last); channel counts must agree."""
+    layout = n.attrs.get("layout", "nchw")
+    if layout not in ("nchw", "nhwc"):
+        return f"layout must be 'nchw' or 'nhwc', is {layout!r}"
+    if len(n.shape) != 4 or len(n.src[0].shape) != 4:
+        return None if layout == "nchw" else "nhwc convolutions and pools are 4-D"
+    c = 1 if layout == "nchw" else 3
+    x = n.src[0]
+    if n.op is Op.QCONV2D:
+        w = n.src[1]
+        if x.shape[c] != w.shape[c] * n.attrs.groups or n.shape[c] != w.shape[0]:
+            return (f"{layout} conv: input {list(x.shape)}, weights {list(w.shape)} (groups "
+                    f"{n.attrs.groups}) and result {list(n.shape)} disagree on channels")
+    elif x.shape[c] != n.shape[c] or x.shape[0] != n.shape[0]:
+        return f"{layout} pool changes channels: {list(x.shape)} -> {list(n.shape)}"
+    return None
+
+
+def _permute(n: Node) -> str | None:
+    dims = tuple(n.attrs.get("dims", ()))
+    x = n.src[0]
+    if sorted(dims) != list(range(len(x.shape))):
+        return f"dims {dims} are no permutation of {len(x.shape)} axes"
+    if n.shape != tuple(x.shape[d] for d in dims):
+        return f"permute {dims} of {list(x.shape)} is not {list(n.shape)}"
+    return None
+
+
+def _channel_axis(n: Node) -> str | None:
+    qp = n.attrs.get("qp")
+    if isinstance(qp, QParams) and qp.axis is not None and n.shape[qp.axis] != len(qp.scale):
+        return f"qp has {len(qp.scale)} channels, axis {qp.axis} has {n.shape[qp.axis]}"
+    return None
+
+
 def _same_dtype(n: Node) -> str | None:
     if n.src and n.src[0].dtype.is_int8 and any(s.dtype is not n.dtype for s in n.src):
         return "int8 data movement keeps the dtype of its operands"
@@ -101,16 +137,18 @@ RULES: dict[Op, tuple[Rule, ...]] = {
                lambda n: None if "name" in n.attrs else "input needs a name"),
     Op.CONST: (lambda n: _arity(n, 0), _const),
     Op.QUANT: (lambda n: _arity(n, 1), _quant),
-    Op.DEQUANT: (lambda n: _arity(n, 1), _dequant),
-    Op.QCONV2D: (lambda n: _arity(n, 3), _contraction),
+    Op.DEQUANT: (lambda n: _arity(n, 1), _dequant, _channel_axis),
+    Op.QCONV2D: (lambda n: _arity(n, 3), _contraction, _layout),
     Op.QLINEAR: (lambda n: _arity(n, 3), _contraction),
     Op.QMATMUL: (lambda n: _arity(n, 2), _contraction),
     Op.QMUL: (lambda n: _arity(n, 2), _contraction),
-    Op.QSUMPOOL2D: (lambda n: _arity(n, 1), _contraction),
+    Op.QSUMPOOL2D: (lambda n: _arity(n, 1), _contraction, _layout),
     Op.QSUM: (lambda n: _arity(n, 1), _contraction),
     Op.REQUANT: (lambda n: _arity(n, 1, 8), _requant),
     Op.LUT: (lambda n: _arity(n, 1), _lut),
     **{op: (_same_dtype,) for op in DATA_MOVEMENT},
+    Op.PERMUTE: (lambda n: _arity(n, 1), _same_dtype, _permute),
+    Op.MAXPOOL2D: (lambda n: _arity(n, 1), _same_dtype, _layout),
 }
 
 

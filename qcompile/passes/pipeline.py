@@ -12,6 +12,7 @@ from qcompile.ir.printer import print_graph
 from qcompile.ir.verify import verify
 from qcompile.passes.base import Pass
 from qcompile.passes.cancel_dq_q import CancelDqQ
+from qcompile.passes.channels_last import ChannelsLast
 from qcompile.passes.check_integer_only import CheckIntegerOnly
 from qcompile.passes.dead_code import DeadCode
 from qcompile.passes.fold_relu_into_quant import FoldReluIntoQuant
@@ -36,6 +37,7 @@ def default_pipeline(float_ops: str = "fallback") -> tuple[Pass, ...]:
         UnaryToLut(),              # Q(f(DQ x)) for elementwise f: a 256-entry table
         CancelDqQ(),               # DQ -> Q pairs left between int8 producers and consumers
         FuseContractionDequant(),  # contractions feeding float (logits): int8 math, f32 out
+        ChannelsLast(),            # convs/pools NHWC once every int8 chain is formed
         DeadCode(),
         CheckIntegerOnly(float_ops),  # gate: every float op left is an explicit fallback
     )
