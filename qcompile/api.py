@@ -23,12 +23,22 @@ def quantize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
 
 def compile(quantized: QuantizedModel, target: str = "pt2e",  # noqa: A001 - the API's name
             options: dict[str, Any] | None = None) -> CompiledModel:
-    """Compile a PT2E-quantized model for ``target``."""
+    """Compile a PT2E-quantized model for ``target``. ``options`` (cpu): ``batch_sizes``,
+    ``float_ops`` ("fallback" or "error"), ``keep_dir``, ``analyze`` (see
+    :class:`qcompile.codegen.target.CompileOptions`)."""
+    from dataclasses import fields
+
+    from qcompile.codegen.target import CompileOptions
     from qcompile.targets import compile_quantized
 
-    if options:
-        raise TypeError(f"compile() got options it does not know: {sorted(options)}")
-    return compile_quantized(quantized, target)
+    known = {f.name for f in fields(CompileOptions)}
+    if set(options or {}) - known:
+        raise TypeError(f"compile() got options it does not know: "
+                        f"{sorted(set(options or {}) - known)}; known: {sorted(known)}")
+    opts = dict(options or {})
+    if "batch_sizes" in opts:
+        opts["batch_sizes"] = tuple(opts["batch_sizes"])
+    return compile_quantized(quantized, target, CompileOptions(**opts))
 
 
 def quantize_and_compile(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,

@@ -200,16 +200,53 @@ def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Ba
         return {"status": "unavailable", "reason": reason}
     t0 = time.perf_counter()
     try:
-        compiled = target_registry.compile_quantized(q, target)
+        compiled = target_registry.compile_quantized(q, target, compile_options(recipe, q))
     except QCompileError as err:
+        log.warning("target %s failed: %s", target, err)
         return {"status": "failed", "reason": str(err)}
+    compile_s = round(time.perf_counter() - t0, 3)
     result = evaluate_target(recipe, compiled, batches, float_out, task, progress)
-    if target == "reference":
-        from qcompile.accuracy.exactness import compare
+    from qcompile.accuracy.exactness import compare, vs_reference
 
+    if target == "reference":
         graph = compiled.runner.graph(int(batches[0].inputs[0].shape[0]))
         result["exactness"] = {"vs_pt2e": compare(graph, q.module, batches[0].inputs)}
-    return {**result, "compile_s": round(time.perf_counter() - t0 - result["evaluate_s"], 3)}
+    if target == "cpu":
+        runner = compiled.runner
+        graph = runner.modules[max(runner.modules)].graph
+        x = batches[0].inputs
+        result["exactness"] = {"vs_reference": vs_reference(runner, x),
+                               "vs_pt2e": compare(graph, q.module, tuple(
+                                   t[:max(runner.modules)] for t in x))}
+        result["latency_ms"] = cpu_latency(compiled, q, x)
+    return {**result, "compile_s": compile_s}
+
+
+def compile_options(recipe: Recipe, q: QuantizedModel) -> Any:
+    """The recipe's ``compile`` section as target options."""
+    from qcompile.codegen.target import CompileOptions
+
+    c = recipe.compile
+    sizes = c.batch_sizes or [1, recipe.evaluation.batch_size, *recipe.benchmark.batch_sizes]
+    return CompileOptions(batch_sizes=tuple(sizes), float_ops=c.float_ops, keep_dir=c.keep_dir)
+
+
+def cpu_latency(compiled: CompiledModel, q: QuantizedModel, x: tuple[torch.Tensor, ...]
+                ) -> dict[str, Any]:
+    """Median ms of the cpu target beside eager fp32, at batch 1 and the largest compiled size
+    (interleaved, same run; the performance suite is ``qcompile bench``)."""
+    from qcompile.bench.latency import median_ms
+
+    out: dict[str, Any] = {}
+    for b in sorted({1, max(compiled.runner.modules)}):
+        if b > x[0].shape[0]:
+            continue
+        xb = tuple(t[:b].contiguous() for t in x)
+        times = median_ms({"cpu": lambda xb=xb: compiled(*xb),
+                           "eager_fp32": lambda xb=xb: q.float_module(*xb)})
+        out[f"batch_{b}"] = {**times, "speedup_vs_eager_fp32": round(
+            times["eager_fp32"]["median"] / times["cpu"]["median"], 3)}
+    return out
 
 
 def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel, calib: list[Batch],
@@ -237,7 +274,8 @@ def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel, calib: list[
                        or mut.default_dataset, "batches": len(batches),
                        "samples": sum(len(b.inputs[0]) for b in batches)},
         "accuracy": main.get("accuracy", {"passed": False, "reason": main.get("reason")}),
-        **{k: main[k] for k in ("exactness", "residency", "passes") if k in main},
+        **{k: main[k] for k in ("exactness", "residency", "passes", "kernels", "latency_ms")
+           if k in main},
         "targets": per_target,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }

@@ -127,3 +127,22 @@ def _last_int8(n: Node) -> Node | None:
             return None
         n = n.src[0]
     return n
+
+
+def vs_reference(runner: Any, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """A compiled runner (``cpu``) against the reference interpreter, element for element, at
+    every compiled batch size (each module on the first ``b`` samples of ``inputs``)."""
+    arrays = [x.detach().numpy() for x in inputs]
+    per_batch: dict[str, dict[str, int]] = {}
+    for b, module in sorted(runner.modules.items()):
+        if b > arrays[0].shape[0] or module.graph is None:
+            continue
+        piece = [x[:b] for x in arrays]
+        got = module.module()(*piece)
+        want = interpreter.run(module.graph, *piece)
+        mismatched = sum(int(np.count_nonzero(g.view(w.dtype) != w) if g.dtype.itemsize ==
+                             w.dtype.itemsize else g.size) for g, w in zip(got, want,
+                                                                            strict=True))
+        per_batch[str(b)] = {"mismatched": mismatched, "total": int(sum(w.size for w in want))}
+    return {"mismatched": sum(r["mismatched"] for r in per_batch.values()),
+            "total": sum(r["total"] for r in per_batch.values()), "per_batch": per_batch}

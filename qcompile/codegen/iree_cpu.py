@@ -109,13 +109,10 @@ class Module:
     """A loaded vmfb: ``main`` called with numpy arrays. Calls are serialised (one IREE context
     per module; its task system already uses every core)."""
 
-    def __init__(self, vmfb: bytes, *, threads: int | None = None) -> None:
+    def __init__(self, vmfb: bytes) -> None:
         import iree.runtime as rt
 
-        flags = ["--task_topology_max_group_count=%d" % threads] if threads else []
         self._config = rt.Config("local-task")
-        if flags:
-            rt.flags.parse_flags(*flags)
         try:
             vm = rt.VmModule.copy_buffer(self._config.vm_instance, vmfb)
         except (RuntimeError, ValueError) as err:

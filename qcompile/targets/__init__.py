@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from qcompile.errors import TargetUnavailableError
 from qcompile.frontend.quantize import QuantizedModel
 from qcompile.recipe import TARGETS
 from qcompile.runtime.compiled import CompiledModel, InputSignature
 
-Builder = Callable[[QuantizedModel], CompiledModel]
+Builder = Callable[[QuantizedModel, Any], CompiledModel]
 _BUILDERS: dict[str, Builder] = {}
 
 
@@ -30,14 +31,14 @@ def signature_of(q: QuantizedModel, names: tuple[str, ...] = ()) -> tuple[InputS
 
 
 @register("pt2e")
-def _pt2e(q: QuantizedModel) -> CompiledModel:
+def _pt2e(q: QuantizedModel, options: Any = None) -> CompiledModel:
     """PT2E's own Q/DQ module: int8 simulated in float. The baseline every target is checked
     against."""
     return CompiledModel("pt2e", signature_of(q), q.module)
 
 
 @register("reference")
-def _reference(q: QuantizedModel) -> CompiledModel:
+def _reference(q: QuantizedModel, options: Any = None) -> CompiledModel:
     """QIR after the pass pipeline, executed exactly by the numpy reference interpreter."""
     from qcompile.reference.program import ReferenceProgram
 
@@ -45,8 +46,15 @@ def _reference(q: QuantizedModel) -> CompiledModel:
     return CompiledModel("reference", signature_of(q), program, program.report())
 
 
+@register("cpu")
+def _cpu(q: QuantizedModel, options: Any = None) -> CompiledModel:
+    """QIR → MLIR → IREE llvm-cpu for this host, one module per compiled batch size."""
+    from qcompile.codegen.target import compile_cpu
+
+    return compile_cpu(q, options)
+
+
 _PLANNED = {
-    "cpu": "CPU code generation (QIR -> MLIR -> IREE) is not part of this qcompile build",
     "cuda": "Triton code generation for NVIDIA GPUs is not part of this qcompile build",
     "rocm": "IREE code generation for AMD GPUs is not part of this qcompile build",
     "vulkan": "IREE code generation for Vulkan is not part of this qcompile build",
@@ -61,10 +69,10 @@ def unavailable_reason(target: str) -> str | None:
     return _PLANNED.get(target, f"unknown target; valid targets: {', '.join(TARGETS)}")
 
 
-def compile_quantized(q: QuantizedModel, target: str) -> CompiledModel:
+def compile_quantized(q: QuantizedModel, target: str, options: Any = None) -> CompiledModel:
     reason = unavailable_reason(target)
     if reason is not None:
         raise TargetUnavailableError(
             f"target {target!r} is not available", at=f"target {target}", why=reason,
             next=f"use one of the available targets: {', '.join(sorted(_BUILDERS))}")
-    return _BUILDERS[target](q)
+    return _BUILDERS[target](q, options)
