@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["quantize", "compile", "quantize_and_compile", "QuantizeConfig", "__version__"]
+__all__ = ["quantize", "compile", "quantize_and_compile", "load", "QuantizeConfig",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,6 +15,10 @@ def __getattr__(name: str) -> Any:
         from qcompile import api
 
         return getattr(api, name)
+    if name == "load":
+        from qcompile.runtime.artifact import load
+
+        return load
     if name == "QuantizeConfig":
         from qcompile.frontend.quantize import QuantizeConfig
 

@@ -117,7 +117,10 @@ def check(recipe: RecipeArg, target: TargetOpt = None, out: OutOpt = None,
 def inspect(recipe: RecipeArg,
             dump_ir: Annotated[Path | None, typer.Option(
                 "--dump-ir", help="write the QIR after each pass into this folder")] = None,
-            batch: Annotated[int, typer.Option(help="batch size to specialise for")] = 1) -> None:
+            batch: Annotated[int, typer.Option(help="batch size to specialise for")] = 1,
+            kernels: Annotated[bool, typer.Option(
+                "--kernels", help="also compile for cpu and show the dispatches per chain")
+            ] = False) -> None:
     """Quantize, run the pass pipeline, show fused chains, int8 residency and float ops."""
     _setup_logging()
     from qcompile.frontend.quantize import QuantizeConfig, quantize
@@ -143,6 +146,86 @@ def inspect(recipe: RecipeArg,
         typer.echo(f"  float  {f['op']:12} {f['region']:7} {f['loc']}: {f['reason']}")
     if dump_ir:
         typer.echo(f"QIR stages written to {dump_ir}")
+    if kernels:
+        _print_kernels(lowered.graph, batch, r.compile.keep_dir)
+
+
+def _print_kernels(graph: Any, batch: int, keep_dir: str | None) -> None:
+    from qcompile.codegen import cpu
+    from qcompile.codegen.target import analyze_kernels
+
+    runner, rep = cpu.build({batch: graph}, keep_dir=keep_dir)
+    k = analyze_kernels(runner)
+    typer.echo(f"cpu dispatches (batch {batch}): {k['total']} ({k['by_kind']}); contraction "
+               f"chains: max {k['max_per_chain']} dispatch(es) per chain; {k['i32_writes']} "
+               f"dispatch(es) write i32" + (f"; workaround {rep['workarounds']}"
+                                            if rep["workarounds"] else ""))
+    for c in k["per_chain"]:
+        typer.echo(f"  {c['dispatches']} dispatch  {'+'.join(c['ops']):18} writes "
+                   f"{','.join(c['writes']):8} {c['loc']}")
+
+
+@app.command("compile")
+@_user_errors
+def compile_cmd(recipe: RecipeArg,
+                output: Annotated[Path, typer.Option("--output", "-o",
+                                                     help="artifact path, e.g. model.qca")],
+                batch: Annotated[list[int] | None, typer.Option(
+                    "--batch", "-b", help="batch size to compile (repeatable); default: the "
+                                          "recipe's compile.batch_sizes")] = None,
+                quiet: QuietOpt = False) -> None:
+    """Quantize a recipe's model and compile it for cpu into a .qca artifact."""
+    _setup_logging()
+    from dataclasses import replace
+
+    from qcompile.frontend.quantize import QuantizeConfig, quantize
+    from qcompile.pipeline import build_model, calibration_batches, compile_options
+    from qcompile.recipe import load_recipe
+    from qcompile.targets import compile_quantized
+
+    r = load_recipe(recipe)
+    mut = build_model(r)
+    q = quantize(mut.module, mut.example_inputs(), calibration_batches(r, mut),
+                 QuantizeConfig.from_recipe(r), progress=not quiet)
+    options = compile_options(r, q)
+    if batch:
+        options = replace(options, batch_sizes=tuple(batch))
+    model = compile_quantized(q, "cpu", replace(options, analyze=False))
+    path = model.save(output)
+    typer.echo(f"wrote {path} (batch sizes {sorted(model.runner.modules)})")
+
+
+@app.command("exec")
+@_user_errors
+def exec_cmd(artifact: Annotated[Path, typer.Argument(help="a .qca artifact")],
+             inputs: Annotated[list[Path], typer.Option(
+                 "--input", "-i", help=".npy file per model input, in order")],
+             output: Annotated[Path, typer.Option("--output", "-o",
+                                                  help=".npz file for the outputs")]) -> None:
+    """Run a saved artifact on .npy inputs; writes the outputs as output_0, ... in an .npz."""
+    import io
+
+    import numpy as np
+    import torch
+
+    import qcompile
+    from qcompile.errors import InputError
+    from qcompile.report.writer import atomic_write_bytes
+
+    model = qcompile.load(artifact)
+    arrays = []
+    for p in inputs:
+        try:
+            arrays.append(np.load(p, allow_pickle=False))
+        except (OSError, ValueError) as err:
+            raise InputError(f"cannot read input {p}", at=str(p), why=str(err),
+                             next="pass .npy files written by numpy.save") from None
+    out = model(*[torch.from_numpy(a) for a in arrays])
+    outs = out if isinstance(out, tuple) else (out,)
+    buf = io.BytesIO()
+    np.savez(buf, **{f"output_{i}": o.numpy() for i, o in enumerate(outs)})
+    atomic_write_bytes(output, buf.getvalue())
+    typer.echo(f"wrote {output} ({', '.join(f'{list(o.shape)}' for o in outs)})")
 
 
 @app.command("models")

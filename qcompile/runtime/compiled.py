@@ -42,6 +42,13 @@ class CompiledModel:
         with torch.no_grad():
             return self.runner(*inputs)
 
+    def save(self, path: Any) -> Any:
+        """Write this model as a ``.qca`` artifact (target ``cpu``); see
+        :mod:`qcompile.runtime.artifact`."""
+        from qcompile.runtime.artifact import save
+
+        return save(self, path)
+
     def check_inputs(self, inputs: tuple[Any, ...]) -> None:
         expected = ", ".join(s.describe() for s in self.signature)
         if len(inputs) != len(self.signature):
