@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from qcompile.errors import RecipeError
 
@@ -93,6 +101,18 @@ class QuantizerSection(_Strict):
     weights: Literal["per_channel_symmetric", "per_tensor_symmetric"] = "per_channel_symmetric"
     activations: Literal["per_tensor_affine", "per_tensor_symmetric"] = "per_tensor_affine"
     skip: list[str] = Field(default_factory=list, description="module names kept in float")
+    float_residual_stream: bool = Field(
+        default=False, description="kind qcompile only: keep a transformer's residual stream "
+                                   "(the sums feeding a LayerNorm and its output) in float")
+
+    @field_validator("float_residual_stream")
+    @classmethod
+    def _own_quantizer_only(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("kind") != "qcompile":
+            raise ValueError(f"only quantizer kind 'qcompile' can keep a float residual "
+                             f"stream, the kind here is {info.data.get('kind')!r}; set "
+                             f"'kind: qcompile' or drop the key")
+        return value
 
 
 class CalibrationSection(_Strict):
@@ -129,6 +149,15 @@ class BenchmarkSection(_Strict):
     repeats: int = Field(default=20, ge=1, le=100_000)
 
 
+class CompileSection(_Strict):
+    batch_sizes: list[Annotated[int, Field(ge=1, le=4096)]] | None = Field(
+        default=None, min_length=1, max_length=16,
+        description="batch sizes compiled into modules (default: 1, the evaluation batch and "
+                    "the benchmark batches); other batches run in pieces")
+    float_ops: Literal["fallback", "error"] = "fallback"
+    keep_dir: str | None = Field(default=None, description="where a failed compile saves its IR")
+
+
 class Recipe(_Strict):
     version: int
     name: str = Field(min_length=1, max_length=200)
@@ -140,6 +169,7 @@ class Recipe(_Strict):
     targets: list[Literal[TARGETS]] = Field(default_factory=lambda: ["reference"], min_length=1)  # type: ignore[valid-type]
     accuracy: AccuracySection = AccuracySection()
     benchmark: BenchmarkSection = BenchmarkSection()
+    compile: CompileSection = CompileSection()
     path: str = Field(default="<memory>", exclude=True)
 
     @field_validator("version")

@@ -23,3 +23,16 @@ def test_qcompile_quantizer_keeps_cnns_int8(name):
     res = residency(program.graph(4))
     assert res["int8_bytes_fraction"] >= 0.99, res["float_ops"]
     assert compare(program.graph(4), q.module, cal[0].inputs)["within_one_step_fraction"] == 1.0
+
+
+def test_quantize_config__passes_float_residual_stream_to_the_quantizer():
+    from torch import nn
+
+    from qcompile.errors import RecipeError
+    from qcompile.frontend.quantize import make_quantizer
+
+    model = nn.Linear(2, 2)
+    config = QuantizeConfig(quantizer="qcompile", float_residual_stream=True)
+    assert make_quantizer(config, model).float_residual_stream
+    with pytest.raises(RecipeError, match="float_residual_stream needs quantizer kind 'qcompile'"):
+        make_quantizer(QuantizeConfig(float_residual_stream=True), model)

@@ -172,3 +172,22 @@ def test_several_problems_are_all_named(tmp_path):
     with pytest.raises(RecipeError, match="also: ") as e:
         load_recipe(write(tmp_path, data))
     assert "quantizer.weights" in str(e.value) and "calibration.batches" in str(e.value)
+
+
+def test_float_residual_stream__needs_the_qcompile_quantizer(tmp_path):
+    path = write(tmp_path, with_key("quantizer.float_residual_stream", True))
+    with pytest.raises(RecipeError, match=r"(?s)quantizer\.float_residual_stream.*bad value True"
+                                          r".*kind 'qcompile'.*'x86'"):
+        load_recipe(path)
+
+
+def test_float_residual_stream__reaches_the_quantize_config(tmp_path):
+    from qcompile.frontend.quantize import QuantizeConfig
+
+    data = with_key("quantizer.float_residual_stream", True)
+    data["quantizer"]["kind"] = "qcompile"
+    recipe = load_recipe(write(tmp_path, data))
+    config = QuantizeConfig.from_recipe(recipe)
+    assert config.quantizer == "qcompile" and config.float_residual_stream
+    assert not QuantizeConfig.from_recipe(load_recipe(write(tmp_path, MINIMAL, "m.yaml"))
+                                          ).float_residual_stream

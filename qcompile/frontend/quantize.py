@@ -39,12 +39,13 @@ class QuantizeConfig:
     method_options: dict[str, Any] = field(default_factory=dict)
     skip: tuple[str, ...] = ()
     max_batch: int = 64
+    float_residual_stream: bool = False   # quantizer "qcompile" only
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> QuantizeConfig:
         q, c = recipe.quantizer, recipe.calibration
         return cls(q.kind, q.weights, q.activations, c.method, dict(c.method_options),
-                   tuple(q.skip), recipe.model.max_batch)
+                   tuple(q.skip), recipe.model.max_batch, q.float_residual_stream)
 
 
 @dataclass
@@ -133,8 +134,14 @@ def make_quantizer(config: QuantizeConfig, module: nn.Module) -> Any:
     if config.quantizer == "qcompile":
         from qcompile.frontend.quantizer import QCompileQuantizer
 
-        quantizer = QCompileQuantizer()
+        quantizer = QCompileQuantizer(float_residual_stream=config.float_residual_stream)
     else:
+        if config.float_residual_stream:
+            raise RecipeError(
+                "quantizer.float_residual_stream needs quantizer kind 'qcompile'",
+                at="quantizer.float_residual_stream",
+                why=f"the {config.quantizer} quantizer has no float residual stream option",
+                next="set quantizer.kind to 'qcompile', or float_residual_stream to false")
         quantizer = X86InductorQuantizer()
     quantizer.set_global(qconfig)
     names = dict(module.named_modules())
