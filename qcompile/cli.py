@@ -78,6 +78,13 @@ def _print_summary(report: dict[str, Any]) -> None:
         typer.echo(f"{name:10} sqnr {c['sqnr_db']:.1f} dB, cosine {c['cosine']:.5f}"
                    + (f", top1 agreement {c['top1_agreement']:.4f}" if "top1_agreement" in c
                       else "") + extra + f"  [{'PASS' if a['passed'] else 'FAIL'}]")
+        if "exactness" in t and "vs_reference" in t["exactness"]:
+            e = t["exactness"]["vs_reference"]
+            typer.echo(f"{'':10} vs reference: {e['mismatched']} of {e['total']} elements differ")
+        for b, lat in t.get("latency_ms", {}).items():
+            typer.echo(f"{'':10} latency {b.replace('_', ' ')}: {name} {lat['cpu']['median']:.2f}"
+                       f" ms, eager fp32 {lat['eager_fp32']['median']:.2f} ms "
+                       f"({lat['speedup_vs_eager_fp32']:.2f}x)")
     for ch in report["accuracy"].get("checks", []):
         if not ch["passed"]:
             typer.echo(f"  failed: {ch['key']} {ch['threshold']} (measured {ch['value']}) "

@@ -37,12 +37,26 @@ def test_run_writes_report_with_stable_keys(digits_run):
     assert (out / "report.md").read_text().startswith("# qcompile report: digits_cnn")
 
 
-def test_unavailable_target_is_reported_not_hidden(digits_run):
+def test_run_reports_cpu_exactness_kernels_and_latency(digits_run):
     result, out = digits_run
-    report = json.loads((out / "report.json").read_text())
-    assert report["targets"]["cpu"]["status"] == "unavailable"
-    assert report["targets"]["cpu"]["reason"]
-    assert "cpu        unavailable" in result.output
+    cpu = json.loads((out / "report.json").read_text())["targets"]["cpu"]
+    assert cpu["status"] == "ok" and cpu["accuracy"]["passed"]
+    assert cpu["exactness"]["vs_reference"]["mismatched"] == 0
+    assert cpu["exactness"]["vs_reference"]["total"] > 0
+    assert cpu["kernels"]["max_per_chain"] == 1
+    lat = cpu["latency_ms"]["batch_1"]
+    assert lat["cpu"]["median"] > 0 and lat["eager_fp32"]["median"] > 0
+    assert "cpu" in result.output and "latency" in result.output
+
+
+def test_unavailable_target_is_reported_not_hidden(tmp_path):
+    path = _recipe(tmp_path, calibration__batches=1)
+    result = runner.invoke(app, ["run", str(path), "-t", "pt2e", "-t", "cuda", "--out",
+                                 str(tmp_path / "o")])
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["targets"]["cuda"]["status"] == "unavailable"
+    assert report["targets"]["cuda"]["reason"]
+    assert "cuda       unavailable" in result.output
 
 
 def _recipe(tmp_path: Path, **changes) -> Path:

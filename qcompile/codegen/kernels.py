@@ -20,7 +20,7 @@ _ALIAS = re.compile(r"^(#loc\d*) = (loc\(.*\))\s*$", re.M)
 _NAME = re.compile(r'"qir(\d+)(\.copy)?"')
 _REF = re.compile(r"#loc\d*\b")
 _EXEC = re.compile(r"^  flow\.executable private @(\w+) \{$", re.M)
-_DISPATCH = re.compile(r"flow\.dispatch @(\w+)::@(\w+)\((.*?)\) : \((.*?)\) -> (.*?) loc\(")
+_DISPATCH = re.compile(r"flow\.dispatch @(\w+)::@(\w+)\(([^)]*)\) : (.*)$", re.M)
 # the ops that compute: a linalg.generic (its location follows its region) or a slice copy;
 # constants, fills and empties are CSE'd across chains and keep whichever location came first
 _COMPUTE = re.compile(r"^\s*\} -> .*$|^.*tensor\.(?:insert|extract)_slice.*$", re.M)
@@ -51,13 +51,24 @@ def parse_flow(flow: str) -> tuple[dict[str, set[tuple[int, bool]]], list[dict[s
     return execs, calls
 
 
+def _signature(text: str) -> tuple[str, str]:
+    """``(operand types) -> results loc(...)`` split at its top-level arrow."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch in "<(") - (ch in ">)" and text[i - 1:i] != "-")
+        if depth == 0 and text.startswith(" -> ", i + 1) and ch == ")":
+            results = text[i + 5:]
+            return text[1:i], results[:results.rfind(" loc(")]
+    return text, ""
+
+
 def _result_types(m: re.Match[str]) -> str:
     """The dispatch's result types; a result tied to an operand (``-> %4``) has its type."""
-    results = m.group(5)
+    operands, results = _signature(m.group(4))
     if not results.lstrip("(").startswith("%"):
         return results
     args = [a.strip() for a in m.group(3).split(",")]
-    types = _split_types(m.group(4))
+    types = _split_types(operands)
     tied = [t for a, t in zip(args, types, strict=False)
             if a in re.findall(r"%[\w#]+", results)]
     return " ".join(tied)
@@ -65,8 +76,8 @@ def _result_types(m: re.Match[str]) -> str:
 
 def _split_types(text: str) -> list[str]:
     out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch == "<") - (ch == ">")
+    for i, ch in enumerate(text):
+        depth += (ch in "<(") - (ch in ">)" and text[i - 1:i] != "-")
         if ch == "," and depth == 0:
             out.append(cur.strip())
             cur = ""

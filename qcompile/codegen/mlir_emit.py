@@ -21,7 +21,7 @@ from iree.compiler.dialects import arith, func, math
 from qcompile.codegen import builder as b
 from qcompile.codegen.builder import TV
 from qcompile.errors import CompileError
-from qcompile.ir.graph import Graph, Node, Op
+from qcompile.ir.graph import ANCHOR_OPS, Graph, Node, Op
 from qcompile.ir.types import DType, Requant
 
 
@@ -62,6 +62,7 @@ class Emitter:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.ids = {id(n): k for k, n in enumerate(graph.nodes())}
+        self.users = graph.users()
 
     def loc(self, n: Node, part: str = "") -> ir.Location:
         return ir.Location.name(f"qir{self.ids[id(n)]}{part}")
@@ -71,7 +72,13 @@ class Emitter:
         if fn is None:
             raise unsupported(n, "no CPU lowering for this op")
         with self.loc(n):
-            return fn(self, n, operands)
+            out = fn(self, n, operands)
+            # a transpose reading an epilogue would pull it out of its contraction's dispatch
+            # (IREE fuses the elementwise epilogue with the transpose and writes i32 instead)
+            if isinstance(out, TV) and _is_epilogue(n) and any(
+                    u.op is Op.PERMUTE for u in self.users.get(id(n), [])):
+                out = b.barrier(out)
+            return out
 
 
 def unsupported(n: Node, why: str) -> CompileError:
@@ -142,7 +149,10 @@ def _const(em: Emitter, n: Node, v: list[Value]) -> Value:
 def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
     """``clamp(round_shift(sum (x_i + bias_i - z_i) * M_i[c], s[c]) + zp)`` in i64."""
     rq: Requant = n.attrs.rq
-    tvs = [x.tv if isinstance(x, Acc) else x for x in v]
+    # an int8 residual operand is fenced: otherwise IREE pulls its producer's epilogue into this
+    # dispatch and writes that producer's i32 accumulator to memory instead
+    tvs = [x.tv if isinstance(x, Acc) else (b.barrier(x) if i and _is_epilogue(n.src[i])
+                                               else x) for i, x in enumerate(v)]
     biases = [per_channel(x.bias, 64, x.axis) if isinstance(x, Acc) and x.bias is not None
               else None for x in v]
     mults = [per_channel(t.multiplier, 64, rq.axis) for t in rq.terms]
@@ -165,6 +175,10 @@ def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
         return arith.trunci(b.int_type(8), out)
 
     return b.elementwise(tvs, n.shape, n.dtype, body)
+
+
+def _is_epilogue(n: Node) -> bool:
+    return n.op in (Op.REQUANT, Op.DEQUANT) and bool(n.src) and n.src[0].op in ANCHOR_OPS
 
 
 @emits(Op.QUANT)

@@ -58,6 +58,7 @@ def render_markdown(r: dict[str, Any]) -> str:
              f"- evaluation: {r['evaluation']}", ""]
     lines += _targets_table(r["targets"])
     lines += _checks_section(r)
+    lines += _compiled_section(r["targets"])
     lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
               "", f"Timings (s): {r['timings_s']}", ""]
     return "\n".join(lines)
@@ -76,6 +77,28 @@ def _targets_table(targets: dict[str, Any]) -> list[str]:
         cells = [_fmt(a["compare"].get(c, "—")) for c in cols]
         lines.append(f"| {name} | ok | {_fmt(a['float'] or '—')} | {_fmt(a['int8'] or '—')} | "
                      + " | ".join(cells) + " |")
+    return lines
+
+
+def _compiled_section(targets: dict[str, Any]) -> list[str]:
+    """Exactness, dispatches and latency of compiled targets."""
+    lines: list[str] = []
+    for name, t in targets.items():
+        if t.get("status") != "ok" or "kernels" not in t:
+            continue
+        e, k = t["exactness"]["vs_reference"], t["kernels"]
+        lines += ["", f"## Target {name}", "",
+                  f"- vs reference: {e['mismatched']} of {e['total']} output elements differ "
+                  f"(batch sizes {t['compile']['batch_sizes']})",
+                  f"- dispatches at batch {k.get('batch')}: {k.get('total')} {k.get('by_kind')};"
+                  f" contraction chains {k.get('chains')}, at most {k.get('max_per_chain')} "
+                  f"dispatch(es) per chain, {k.get('i32_writes')} dispatch(es) write i32",
+                  f"- workarounds: {t['compile']['workarounds'] or 'none'}; compile s per batch:"
+                  f" {t['compile']['compile_s_per_batch']}"]
+        for b, lat in t.get("latency_ms", {}).items():
+            lines.append(f"- latency {b.replace('_', ' ')} (median ms): {name} "
+                         f"{lat['cpu']['median']}, eager fp32 {lat['eager_fp32']['median']} "
+                         f"({lat['speedup_vs_eager_fp32']}x)")
     return lines
 
 

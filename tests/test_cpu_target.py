@@ -1,0 +1,131 @@
+"""Target cpu (QIR → MLIR → IREE): bit-exact with the reference interpreter on the chain table,
+one dispatch per fused chain, MLIR that verifies, and compile failures that leave a reproducer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_reference import KINDS, Chain
+
+from qcompile.codegen import cpu, iree_cpu
+from qcompile.codegen.mlir_emit import emit_module
+from qcompile.codegen.target import CompileOptions, analyze_kernels, compile_cpu
+from qcompile.errors import CompileError, InputError
+from qcompile.frontend.quantize import QuantizeConfig, quantize
+from qcompile.reference import interpreter
+from qcompile.reference.program import lower
+
+
+def _quantized(kind: str, config: QuantizeConfig | None = None):
+    torch.manual_seed(0)
+    model = Chain(kind).eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 12, 12, generator=g),) for _ in range(3)]
+    return quantize(model, batches[0], batches, config), batches[1][0]
+
+
+def _assert_bit_exact(model, x: torch.Tensor) -> None:
+    for b, module in model.runner.modules.items():
+        xb = x[:b].numpy()
+        got = module.module()(xb)
+        want = interpreter.run(module.graph, xb)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g.view(w.dtype), w)
+
+
+# one module per batch size: 1 and 4 compiled, 3 runs as pieces of 1
+@pytest.mark.parametrize("kind", KINDS)
+def test_chain__cpu_equals_reference_bit_for_bit(kind):
+    q, x = _quantized(kind, QuantizeConfig(quantizer="qcompile"))
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False))
+    _assert_bit_exact(model, x)
+    ref = lower(q, 1).graph
+    got = model(x[:3])
+    want = np.concatenate([interpreter.run(ref, x[i:i + 1].numpy())[0] for i in range(3)])
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("config", [
+    QuantizeConfig(quantizer="x86"),                                      # float islands
+    QuantizeConfig(quantizer="qcompile", activations="per_tensor_symmetric"),  # i8 activations
+    QuantizeConfig(quantizer="qcompile", weights="per_tensor_symmetric"),
+], ids=["x86-float-islands", "int8-activations", "per-tensor-weights"])
+def test_chain_variants__cpu_int8_tensors_match_reference(config):
+    q, x = _quantized("add_relu", config)
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False))
+    graph = model.runner.modules[4].graph
+    got = model.runner.modules[4].module()(x.numpy())
+    want = interpreter.run(graph, x.numpy())
+    # integer chains are exact; float islands (x86 leaves pools/adds in float) may differ in
+    # the last bits of their sums
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    if config.quantizer == "qcompile":
+        np.testing.assert_array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("kind", ["add_relu", "strided", "depthwise", "cat"])
+def test_chain__each_contraction_chain_is_one_dispatch_writing_int8(kind):
+    q, _ = _quantized(kind, QuantizeConfig(quantizer="qcompile"))
+    runner, _ = cpu.build({4: lower(q, 4).graph})
+    k = analyze_kernels(runner)
+    assert k["chains"] >= 3
+    assert k["max_per_chain"] == 1
+    assert k["i32_writes"] == 0
+    assert all(row["writes"] in (["i8"], ["f32"]) for row in k["per_chain"])
+
+
+def test_residual_block_with_projection__no_accumulator_leaves_its_dispatch():
+    from test_recipes_cpu import projection_block_model
+
+    q, x = projection_block_model()
+    runner, _ = cpu.build({2: lower(q, 2).graph})
+    k = analyze_kernels(runner)
+    assert k["i32_writes"] == 0 and k["max_per_chain"] == 1
+
+
+def test_emitted_mlir_verifies_and_uses_the_u8_s8_form():
+    q, _ = _quantized("relu", QuantizeConfig(quantizer="qcompile"))
+    text = str(emit_module(lower(q, 4).graph))
+    assert "func.func @main(%arg0: tensor<4x3x12x12xf32>) -> tensor<4x6xf32>" in text
+    assert "arith.extui" in text and "arith.extsi" in text          # u8 x s8 contraction
+    assert "arith.shrsi" in text and "i64" in text                  # fixed-point requantize
+    assert "math.roundeven" in text                                 # PT2E's quantize
+    assert "linalg.conv" not in text                                # implicit GEMM, no named conv
+
+
+def test_compile_failure__saves_mlir_and_prints_the_command(tmp_path, monkeypatch):
+    q, _ = _quantized("relu")
+    monkeypatch.setattr(iree_cpu, "FAST_FLAGS", ("--iree-no-such-flag",))
+    monkeypatch.setattr(iree_cpu, "WORKAROUNDS", ())
+    with pytest.raises(CompileError, match="reproduce with: .*iree-compile") as err:
+        compile_cpu(q, CompileOptions(batch_sizes=(1,), keep_dir=str(tmp_path)))
+    saved = list(tmp_path.glob("*.failed.mlir"))
+    assert len(saved) == 1 and "func.func @main" in saved[0].read_text()
+    assert str(saved[0]) in str(err.value)
+
+
+def test_compile_failure__workaround_ladder_reports_what_worked(monkeypatch):
+    q, x = _quantized("relu")
+    monkeypatch.setattr(iree_cpu, "FAST_FLAGS", ("--iree-no-such-flag",))
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1,), analyze=False))
+    assert model.report["compile"]["workarounds"] == {"1": "no-inner-tiled"}
+    _assert_bit_exact(model, x)
+
+
+def test_cpu_model__rejects_wrong_inputs_with_a_clear_error():
+    q, x = _quantized("relu")
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1,), analyze=False))
+    with pytest.raises(InputError, match="shape is"):
+        model(torch.zeros(1, 3, 10, 12))
+    with pytest.raises(InputError, match="dtype is torch.float64"):
+        model(x[:1].double())
+    with pytest.raises(InputError, match="batch is empty"):
+        model(x[:0])
+
+
+def test_pieces__split_largest_first():
+    assert cpu.pieces(13, [1, 4, 8]) == [8, 4, 1]
+    assert cpu.pieces(8, [1, 8]) == [8]
+    with pytest.raises(ValueError, match="fits no compiled size"):
+        cpu.pieces(3, [2])
