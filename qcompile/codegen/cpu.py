@@ -42,9 +42,30 @@ class BatchModule:
 
 def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = None
                   ) -> BatchModule:
-    mlir = emit_module(graph).operation.get_asm(enable_debug_info=True)
-    compiled = iree_cpu.compile_mlir(mlir, keep_dir=keep_dir, name=f"{graph.name}.b{batch}")
-    return BatchModule(batch, compiled.vmfb, compiled.flags, compiled.workaround, graph, mlir)
+    """Emit and compile ``graph``; on failure walk the workaround ladder:
+
+    1. fast flags (data tiling + inner-tiled VNNI path);
+    2. the same with dequantize epilogues in their own dispatch: IREE 3.13 turns a per-channel
+       table read back into a broadcast operand when the rest of the epilogue folds away (a zero
+       bias) and then crashes materializing the encoding;
+    3. the flag sets of :data:`iree_cpu.WORKAROUNDS` (no inner-tiled path, then no data tiling).
+    """
+    ladder = [(None, iree_cpu.FAST_FLAGS, False),
+              ("split-dequant-epilogues", iree_cpu.FAST_FLAGS, True),
+              *((name, flags, False) for name, flags in iree_cpu.WORKAROUNDS)]
+    texts: dict[bool, str] = {}
+    errors: list[str] = []
+    for workaround, extra, split in ladder:
+        if split not in texts:
+            texts[split] = emit_module(graph, split_dequant=split).operation.get_asm(
+                enable_debug_info=True)
+        flags = (*iree_cpu.TARGET_FLAGS, *extra)
+        got = iree_cpu.try_compile(texts[split], flags)
+        if isinstance(got, bytes):
+            return BatchModule(batch, got, flags, workaround, graph, texts[split])
+        errors.append(got)
+    raise iree_cpu.failure(texts[False], (*iree_cpu.TARGET_FLAGS, *iree_cpu.FAST_FLAGS), errors,
+                           keep_dir, f"{graph.name}.b{batch}")
 
 
 def pieces(n: int, sizes: Sequence[int]) -> list[int]:

@@ -5,8 +5,9 @@ path (u8 × s8 → ``vpdpbusd``) and its LLVM ukernels, padding fused into its c
 module constants, so their packing is hoisted into initializers and runs once at load.
 
 IREE 3.13's inner-tiled path is experimental and fails on some shapes. A failed compile is retried
-with the workarounds below, in order; the one that worked is reported. When every attempt fails
-the MLIR is saved and the error names it with the exact ``iree-compile`` command.
+with the workarounds of :func:`qcompile.codegen.cpu.compile_graph`, in order; the one that worked
+is reported. When every attempt fails the MLIR is saved and the error names it with the exact
+``iree-compile`` command.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import shlex
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,28 +48,15 @@ def iree_compile_path() -> str:
     return binaries.find_tool("iree-compile")
 
 
-@dataclass(frozen=True)
-class Compiled:
-    vmfb: bytes
-    flags: tuple[str, ...]
-    workaround: str | None
-
-
-def compile_mlir(mlir: str, *, keep_dir: str | Path | None, name: str = "model") -> Compiled:
-    """Compile ``mlir`` for the host CPU (with the workaround ladder)."""
-    attempts = [(None, FAST_FLAGS), *WORKAROUNDS]
-    errors: list[str] = []
+def try_compile(mlir: str, flags: tuple[str, ...]) -> bytes | str:
+    """The vmfb, or iree-compile's error output."""
     with tempfile.TemporaryDirectory(prefix="qcompile-") as tmp:
-        src = Path(tmp) / f"{name}.mlir"
+        src, out = Path(tmp) / "m.mlir", Path(tmp) / "m.vmfb"
         src.write_text(mlir, encoding="utf-8")
-        for workaround, extra in attempts:
-            flags = (*TARGET_FLAGS, *extra)
-            out = Path(tmp) / f"{name}.vmfb"
-            proc = _run([iree_compile_path(), str(src), "-o", str(out), *flags])
-            if proc.returncode == 0:
-                return Compiled(out.read_bytes(), flags, workaround)
-            errors.append(proc.stderr.strip())
-    raise _failure(mlir, (*TARGET_FLAGS, *FAST_FLAGS), errors, keep_dir, name)
+        proc = _run([iree_compile_path(), str(src), "-o", str(out), *flags])
+        if proc.returncode == 0:
+            return out.read_bytes()
+        return proc.stderr.strip() or f"iree-compile exited with {proc.returncode}"
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -80,8 +67,9 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(argv, 124, "", f"timed out after {COMPILE_TIMEOUT_S}s")
 
 
-def _failure(mlir: str, flags: tuple[str, ...], errors: list[str], keep_dir: str | Path | None,
-             name: str) -> CompileError:
+def failure(mlir: str, flags: tuple[str, ...], errors: list[str], keep_dir: str | Path | None,
+            name: str) -> CompileError:
+    """The error of a compile that no attempt could make: the MLIR saved, the command given."""
     where = Path(keep_dir if keep_dir is not None else ".")
     where.mkdir(parents=True, exist_ok=True)
     saved = where / f"{name}.failed.mlir"

@@ -59,8 +59,9 @@ def _load_emitters() -> None:
 
 
 class Emitter:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, *, split_dequant: bool = False) -> None:
         self.graph = graph
+        self.split_dequant = split_dequant
         self.ids = {id(n): k for k, n in enumerate(graph.nodes())}
         self.users = graph.users()
 
@@ -88,13 +89,14 @@ def unsupported(n: Node, why: str) -> CompileError:
                              "target 'reference'")
 
 
-def emit_module(graph: Graph) -> ir.Module:
-    """The MLIR module of ``graph`` with one public function ``main`` (inputs → outputs)."""
+def emit_module(graph: Graph, *, split_dequant: bool = False) -> ir.Module:
+    """The MLIR module of ``graph`` with one public function ``main`` (inputs → outputs).
+    ``split_dequant`` fences contractions from their dequantize epilogues (a workaround)."""
     _load_emitters()
     ctx = ir.Context()
     with ctx, ir.Location.unknown():
         module = ir.Module.create()
-        em = Emitter(graph)
+        em = Emitter(graph, split_dequant=split_dequant)
         arg_types = [b.tensor_type(n.shape, n.dtype) for n in graph.inputs]
         with ir.InsertionPoint(module.body):
             @func.FuncOp.from_py_func(*arg_types, name="main")
@@ -211,6 +213,8 @@ def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
     """``f32(x + bias - zp) * s[c]``."""
     qp = n.attrs.qp
     src = v[0]
+    if em.split_dequant and isinstance(src, Acc):
+        src = Acc(b.barrier(src.tv), src.bias, src.axis)
     x = src.tv if isinstance(src, Acc) else src
     bias = per_channel(src.bias, 32, src.axis) if isinstance(src, Acc) and \
         src.bias is not None else None
