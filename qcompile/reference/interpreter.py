@@ -55,25 +55,30 @@ def _centred(x: np.ndarray, zp: int) -> torch.Tensor:
     return _t(x.astype(np.int64) - zp, torch.float64)
 
 
-def _nchw(n: Node, x: torch.Tensor) -> torch.Tensor:
-    return x.permute(0, 3, 1, 2) if n.attrs.get("layout") == "nhwc" else x
+def _nchw(n: Node, x: np.ndarray) -> np.ndarray:
+    """An NHWC operand as NCHW (torch's convolutions and pools are NCHW). The copy is made on
+    the narrow integer array: float64 convolutions on channels-last strides are several times
+    slower."""
+    return np.ascontiguousarray(np.transpose(x, (0, 3, 1, 2))) if _is_nhwc(n) else x
 
 
-def _back(n: Node, x: torch.Tensor) -> torch.Tensor:
-    return x.permute(0, 2, 3, 1) if n.attrs.get("layout") == "nhwc" else x
+def _back(n: Node, x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.transpose(x, (0, 2, 3, 1))) if _is_nhwc(n) else x
+
+
+def _is_nhwc(n: Node) -> bool:
+    return n.attrs.get("layout") == "nhwc"
 
 
 @impl(Op.QCONV2D)
 def _qconv(n: Node, v: list[np.ndarray]) -> np.ndarray:
     x, w, b = v
     a = n.attrs
-    xc = _nchw(n, _centred(x, a.x_zp))
-    wt = _t(w, torch.float64)
-    if a.get("layout") == "nhwc":
-        wt = wt.permute(0, 3, 1, 2)
+    xc = _centred(_nchw(n, x), a.x_zp)
+    wt = _t(_nchw(n, w), torch.float64)   # nhwc: F x KH x KW x C/g -> F x C/g x KH x KW
     acc = F.conv2d(xc, wt, _t(b, torch.float64), a.stride, a.padding, a.dilation, a.groups)
     k = wt.shape[1] * wt.shape[2] * wt.shape[3]
-    return _exact_i32(_back(n, acc), 256.0 * 128 * k + np.abs(b).max(initial=0))
+    return _back(n, _exact_i32(acc, 256.0 * 128 * k + np.abs(b).max(initial=0)))
 
 
 @impl(Op.QLINEAR)
@@ -100,9 +105,9 @@ def _qmul(n: Node, v: list[np.ndarray]) -> np.ndarray:
 @impl(Op.QSUMPOOL2D)
 def _qsumpool(n: Node, v: list[np.ndarray]) -> np.ndarray:
     a = n.attrs
-    x = _nchw(n, _centred(v[0], a.x_zp))
+    x = _centred(_nchw(n, v[0]), a.x_zp)
     acc = F.avg_pool2d(x, a.kernel, a.stride, a.padding, divisor_override=1)
-    return _exact_i32(_back(n, acc), 256.0 * a.kernel[0] * a.kernel[1])
+    return _back(n, _exact_i32(acc, 256.0 * a.kernel[0] * a.kernel[1]))
 
 
 @impl(Op.QSUM)
@@ -135,9 +140,9 @@ def _dequant(n: Node, v: list[np.ndarray]) -> np.ndarray:
 @impl(Op.MAXPOOL2D)
 def _maxpool(n: Node, v: list[np.ndarray]) -> np.ndarray:
     a = n.attrs
-    x = _nchw(n, _t(v[0], torch.float32))  # int8 codes are exact in float32
-    out = _back(n, F.max_pool2d(x, a.kernel, a.stride, a.padding, a.dilation))
-    return _np(out).astype(n.dtype.np)
+    x = _t(_nchw(n, v[0]), torch.float32)  # int8 codes are exact in float32
+    out = F.max_pool2d(x, a.kernel, a.stride, a.padding, a.dilation)
+    return _back(n, _np(out).astype(n.dtype.np))
 
 
 @impl(Op.RESHAPE)
