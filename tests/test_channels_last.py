@@ -196,3 +196,13 @@ def test_channels_last__digits_cnn():
     assert first.src[0].op is Op.QUANT and first.shape == (8, 8, 8, 1)
     assert flatten.shape == (8, 64)
     assert compare(cl, q.module, cal[0].inputs)["within_one_step_fraction"] == 1.0
+
+
+def test_channels_last__float_output_permute_is_reported_as_layout_change():
+    torch.manual_seed(0)
+    x = (torch.randn(2, 3, 12, 12),)
+    q = quantize(Chain("conv_out").eval(), x, [x], QuantizeConfig(quantizer="qcompile"))
+    g = run_pipeline(import_graph(q.module, example_batch(q, 2), name="model")).graph
+    (out,) = g.outputs
+    assert out.op is Op.PERMUTE and out.dtype.is_float
+    assert out.attrs.fallback.startswith("channels-last: the float result of an NHWC chain")

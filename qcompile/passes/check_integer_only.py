@@ -23,6 +23,8 @@ _REASONS = {
 
 
 def float_reason(n: Node) -> str:
+    if n.op in (Op.PERMUTE, Op.RESHAPE) and "layout" in n.attrs:
+        return f"channels-last: the float result of an NHWC chain back in {n.attrs.layout}"
     if n.op in _REASONS:
         return _REASONS[n.op] + (f" ({n.attrs.target})" if n.op is Op.FLOAT_OP else "")
     if n.op in (Op.CONV2D, Op.LINEAR) and any(s.op is Op.CONST and s.dtype.is_float
