@@ -172,6 +172,43 @@ def _print_kernels(graph: Any, batch: int, keep_dir: str | None) -> None:
                    f"{','.join(c['writes']):8} {c['loc']}")
 
 
+@app.command()
+@_user_errors
+def bench(recipe: RecipeArg, out: OutOpt = None,
+          peer: Annotated[list[str] | None, typer.Option(
+              "--peer", help="engine to compare with (repeatable); default: the recipe's "
+                             "benchmark.peers")] = None,
+          batch: Annotated[list[int] | None, typer.Option(
+              "--batch", "-b", help="batch size (repeatable); default: benchmark.batch_sizes")
+          ] = None,
+          repeats: Annotated[int | None, typer.Option(help="timed rounds per engine")] = None,
+          no_profile: Annotated[bool, typer.Option("--no-profile",
+                                                   help="skip the dispatch profile")] = False,
+          quiet: QuietOpt = False) -> None:
+    """Time qcompile's cpu target against eager, Inductor, ONNX Runtime (same run, same threads)."""
+    _setup_logging()
+    from qcompile.bench.suite import run_bench, write_bench
+    from qcompile.recipe import PEERS, load_recipe
+
+    for p in peer or ():
+        if p not in PEERS:
+            from qcompile.errors import RecipeError
+
+            raise RecipeError(f"unknown peer {p!r}", at="--peer",
+                              why=f"valid peers: {', '.join(PEERS)}", next="pass a valid peer")
+    r = load_recipe(recipe)
+    report = run_bench(r, peers=peer, batch_sizes=batch, repeats=repeats,
+                       profile=not no_profile, progress=not quiet)
+    paths = write_bench(report, out or Path("out") / r.name / "bench")
+    for row in report["batches"]:
+        cells = ", ".join(f"{k} {v['median']}{'*' if v['noisy'] else ''}"
+                          for k, v in row["ms"].items())
+        typer.echo(f"batch {row['batch']}: {cells} (ms)")
+    for b, s in report["summary"].items():
+        typer.echo(f"{b}: qcompile {s['speedup_vs_best_int8']}x vs {s['best_int8_peer']}")
+    typer.echo("wrote " + ", ".join(map(str, paths)))
+
+
 @app.command("compile")
 @_user_errors
 def compile_cmd(recipe: RecipeArg,
