@@ -288,12 +288,37 @@ def _qsumpool(em: Emitter, n: Node, v: list[Value]) -> Value:
 
 @emits(Op.MAXPOOL2D)
 def _maxpool(em: Emitter, n: Node, v: list[Value]) -> Value:
+    """The elementwise max of KH·KW strided slices of the padded input (IREE vectorizes this
+    along channels; a window-reduction generic it does not)."""
     x = materialize(v[0])
+    a = n.attrs
+    nhwc = a.get("layout") == "nhwc"
+    (ph, pw), (sh, sw) = a.padding, a.stride
+    (dh, dw) = a.get("dilation", (1, 1))
+    kh, kw = a.kernel
+    hd, wd = (1, 2) if nhwc else (2, 3)
+    before = [0] * 4
+    before[hd], before[wd] = ph, pw
     if x.dtype is DType.F32:
-        lowest = b.cf(float("-inf"))
-        return window_reduce(em, n, x, lowest, DType.F32, lowest, lambda xv, acc: arith.maximumf(xv,
-                                                                                           acc))
-    lo = x.dtype.range[0]
-    combine = arith.maxui if x.dtype is DType.U8 else arith.maxsi
-    return window_reduce(em, n, x, b.ci(lo, 8), x.dtype, b.ci(lo, 8),
-                   lambda xv, acc: combine(xv, acc))
+        lowest, combine = b.cf(float("-inf")), arith.maximumf
+    else:
+        lowest = b.ci(x.dtype.range[0], 8)
+        combine = arith.maxui if x.dtype is DType.U8 else arith.maxsi
+    with em.loc(n, ".copy"):
+        xp = b.pad(x, before, before, lowest)
+    parts = []
+    strides = [1, 1, 1, 1]
+    strides[hd], strides[wd] = sh, sw
+    for i in range(kh):
+        for j in range(kw):
+            offsets = [0, 0, 0, 0]
+            offsets[hd], offsets[wd] = i * dh, j * dw
+            parts.append(b.extract_slice(xp, offsets, n.shape, strides))
+
+    def body(*args: ir.Value) -> ir.Value:
+        out = args[0]
+        for other in args[1:-1]:
+            out = combine(out, other)
+        return out
+
+    return b.elementwise(parts, n.shape, x.dtype, body)
