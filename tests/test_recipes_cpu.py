@@ -76,6 +76,15 @@ def test_slow_cnn_recipe_on_cpu(name):
     assert cpu["kernels"]["max_per_chain"] <= 2     # logits chains at batch 1 are two
 
 
+@pytest.mark.slow
+def test_transformer_recipe_on_cpu__float_islands_close_thresholds_hold():
+    report = run_recipe(load_recipe(RECIPES / "minilm.yaml"), targets=["cpu"])
+    cpu = report["targets"]["cpu"]
+    assert cpu["status"] == "ok", cpu.get("reason")
+    assert cpu["accuracy"]["passed"]
+    assert cpu["exactness"]["vs_reference"]["max_abs_diff"] < 0.05
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     q, x = projection_block_model()

@@ -230,3 +230,64 @@ def _avgpool(em: Emitter, n: Node, v: list[Value]) -> Value:
     total = window_reduce(em, n, x, b.cf(0.0), F32, b.cf(0.0), arith.addf)
     div = float(n.attrs.divisor)
     return b.elementwise([total], n.shape, F32, lambda a, _o: arith.divf(a, b.cf(div)))
+
+
+# -- aten ops with no QIR op (FLOAT_OP): the few the zoo's transformers export ---------------
+
+_SHAPE_ONLY = frozenset({"aten.zeros_like.default", "aten.ones_like.default",
+                         "aten.full_like.default", "aten.arange.default",
+                         "aten.arange.start", "aten.zeros.default", "aten.ones.default",
+                         "aten.full.default"})
+
+
+def _fold(n: Node) -> TV:
+    """An op whose value depends on shapes only: computed now, emitted as a constant."""
+    from qcompile.reference.interpreter import execute
+
+    dummies = [np.zeros(s.shape, dtype=s.dtype.np) for s in n.src]
+    return b.constant(np.asarray(execute(n, dummies)), n.dtype)
+
+
+def _cast(x: TV, out: DType, n: Node) -> TV:
+    if x.dtype is out:
+        return x
+    if out is F32:
+        return _f32(x, n)
+    if x.dtype is F32 and out in (DType.I32, DType.I64):
+        bits = 32 if out is DType.I32 else 64
+        return b.elementwise([x], x.shape, out, lambda a, _o: arith.fptosi(b.int_type(bits), a))
+    if not x.dtype.is_float and not out.is_float:
+        bits = {DType.I32: 32, DType.I64: 64, DType.I8: 8, DType.U8: 8}.get(out)
+        if bits:
+            return b.elementwise([x], x.shape, out, lambda a, _o: b.widen(a, x.dtype, bits))
+    raise unsupported(n, f"cast {x.dtype.value} -> {out.value}")
+
+
+@emits(Op.FLOAT_OP)
+def _float_op(em: Emitter, n: Node, v: list[Value]) -> Value:
+    target, args = n.attrs.target, n.attrs.args
+    if target in _SHAPE_ONLY:
+        return _fold(n)
+    x = materialize(v[0]) if v else None
+    if target in ("aten.to.dtype", "aten._to_copy.default") and x is not None:
+        return _cast(x, n.dtype, n)
+    if target == "aten.rsub.Scalar" and x is not None and len(args) >= 2:
+        alpha = float(args[2]) if len(args) > 2 else 1.0
+        other = float(args[1])
+        xf = _f32(x, n)
+        return b.elementwise([xf], n.shape, F32, lambda a, _o: arith.subf(
+            b.cf(other), arith.mulf(a, b.cf(alpha))))
+    if target == "aten.sum.dim_IntList" and x is not None and len(args) >= 2:
+        keep = bool(args[2]) if len(args) > 2 else False
+        red = {d % len(x.shape) for d in args[1]}
+        d = b.dims(len(x.shape))
+        o_exprs = [d[i] if i not in red else 0 for i in range(len(x.shape))] if keep else \
+            [d[i] for i in range(len(x.shape)) if i not in red]
+        xf = _f32(x, n)
+        res = b.generic([xf.value], [F32], n.shape, [F32],
+                        [b.identity(len(x.shape)), b.amap(len(x.shape), o_exprs)],
+                        ["reduction" if i in red else "parallel" for i in range(len(x.shape))],
+                        lambda a, acc: arith.addf(acc, a),
+                        inits=[b.filled(n.shape, F32, b.cf(0.0))])
+        return TV(res[0], F32, n.shape)
+    raise unsupported(n, f"aten op {target} has no CPU lowering")
