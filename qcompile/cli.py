@@ -81,8 +81,8 @@ def _print_summary(report: dict[str, Any]) -> None:
         if "exactness" in t and "vs_reference" in t["exactness"]:
             e = t["exactness"]["vs_reference"]
             typer.echo(f"{'':10} vs reference: {e['mismatched']} of {e['total']} elements differ")
-        for b, lat in t.get("latency_ms", {}).items():
-            typer.echo(f"{'':10} latency {b.replace('_', ' ')}: {name} {lat['cpu']['median']:.2f}"
+        for b, lat in t.get("latency_ms", {}).get("per_batch", {}).items():
+            typer.echo(f"{'':10} latency batch {b}: {name} {lat['cpu']['median']:.2f}"
                        f" ms, eager fp32 {lat['eager_fp32']['median']:.2f} ms "
                        f"({lat['speedup_vs_eager_fp32']:.2f}x)")
     for ch in report["accuracy"].get("checks", []):

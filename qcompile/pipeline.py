@@ -235,20 +235,24 @@ def compile_options(recipe: Recipe, q: QuantizedModel) -> Any:
 
 def cpu_latency(compiled: CompiledModel, q: QuantizedModel, x: tuple[torch.Tensor, ...]
                 ) -> dict[str, Any]:
-    """Median ms of the cpu target beside eager fp32, at batch 1 and the largest compiled size
-    (interleaved, same run; the performance suite is ``qcompile bench``)."""
+    """Median ms of the cpu target beside eager fp32 (``latency_ms.<engine>``, batch 1) and per
+    batch size (1 and the largest compiled one), measured in the same run; the performance suite
+    against every peer is ``qcompile bench``."""
     from qcompile.bench.latency import median_ms
 
-    out: dict[str, Any] = {}
+    per_batch: dict[str, Any] = {}
     for b in sorted({1, max(compiled.runner.modules)}):
         if b > x[0].shape[0]:
             continue
         xb = tuple(t[:b].contiguous() for t in x)
         times = median_ms({"cpu": lambda xb=xb: compiled(*xb),
                            "eager_fp32": lambda xb=xb: q.float_module(*xb)})
-        out[f"batch_{b}"] = {**times, "speedup_vs_eager_fp32": round(
+        per_batch[str(b)] = {**times, "speedup_vs_eager_fp32": round(
             times["eager_fp32"]["median"] / times["cpu"]["median"], 3)}
-    return out
+    first = per_batch[min(per_batch, key=int)]
+    return {"cpu": first["cpu"]["median"], "eager_fp32": first["eager_fp32"]["median"],
+            "speedup_vs_eager_fp32": first["speedup_vs_eager_fp32"], "batch": int(min(
+                per_batch, key=int)), "per_batch": per_batch}
 
 
 def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel, calib: list[Batch],

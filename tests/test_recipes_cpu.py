@@ -66,7 +66,7 @@ def test_cnn_recipe_on_cpu__bit_exact_thresholds_single_dispatch_chains(name):
     cpu = _cpu_report(name)
     assert cpu["kernels"]["max_per_chain"] == 1
     assert cpu["kernels"]["i32_writes"] == 0
-    assert cpu["latency_ms"]["batch_1"]["cpu"]["median"] > 0
+    assert cpu["latency_ms"]["cpu"] > 0 and cpu["latency_ms"]["speedup_vs_eager_fp32"] > 0
 
 
 @pytest.mark.slow

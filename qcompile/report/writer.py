@@ -86,6 +86,9 @@ def _compiled_section(targets: dict[str, Any]) -> list[str]:
     for name, t in targets.items():
         if t.get("status") != "ok" or "kernels" not in t:
             continue
+        if "vs_reference" not in t.get("exactness", {}):     # target cuda: kernel launches
+            lines += _launches_section(name, t)
+            continue
         e, k = t["exactness"]["vs_reference"], t["kernels"]
         lines += ["", f"## Target {name}", "",
                   f"- vs reference: {e['mismatched']} of {e['total']} output elements differ "
@@ -95,11 +98,20 @@ def _compiled_section(targets: dict[str, Any]) -> list[str]:
                   f"dispatch(es) per chain, {k.get('i32_writes')} dispatch(es) write i32",
                   f"- workarounds: {t['compile']['workarounds'] or 'none'}; compile s per batch:"
                   f" {t['compile']['compile_s_per_batch']}"]
-        for b, lat in t.get("latency_ms", {}).items():
-            lines.append(f"- latency {b.replace('_', ' ')} (median ms): {name} "
+        for b, lat in t.get("latency_ms", {}).get("per_batch", {}).items():
+            lines.append(f"- latency batch {b} (median ms): {name} "
                          f"{lat['cpu']['median']}, eager fp32 {lat['eager_fp32']['median']} "
                          f"({lat['speedup_vs_eager_fp32']}x)")
     return lines
+
+
+def _launches_section(name: str, t: dict[str, Any]) -> list[str]:
+    k = t["kernels"]
+    host = ", ".join(f"{h['op']} ({h['reason']})" for h in k.get("host_ops", [])) or "none"
+    return ["", f"## Target {name}", "",
+            f"- {t.get('mode', 'compiled')} on {t.get('device', '?')}: {k.get('total')} kernel "
+            f"launches per run {k.get('by_kernel')}, {k.get('fused_chains')} fused chains (one "
+            f"kernel each), torch ops {k.get('torch_ops')}, host ops: {host}"]
 
 
 def _checks_section(r: dict[str, Any]) -> list[str]:
