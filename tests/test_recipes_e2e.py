@@ -15,7 +15,8 @@ SLOW = ["resnet50", "bert_encoder"]
 
 
 def _run(name: str) -> dict:
-    report = run_recipe(load_recipe(RECIPES / f"{name}.yaml"))
+    # the cpu target has its own end-to-end tests (tests/test_recipes_cpu.py)
+    report = run_recipe(load_recipe(RECIPES / f"{name}.yaml"), targets=["reference", "pt2e"])
     assert report["targets"]["pt2e"]["status"] == "ok"
     assert report["target"] == "reference", report["targets"]["reference"]
     vs_pt2e = report["exactness"]["vs_pt2e"]
