@@ -224,12 +224,11 @@ def _embedding(em: Emitter, n: Node, v: list[Value]) -> Value:
 
 @emits(Op.AVGPOOL2D)
 def _avgpool(em: Emitter, n: Node, v: list[Value]) -> Value:
-    from qcompile.codegen.emit_contract import window_reduce
+    from qcompile.codegen.emit_contract import pool
 
     x = _f32(materialize(v[0]), n)
-    total = window_reduce(em, n, x, b.cf(0.0), F32, b.cf(0.0), arith.addf)
-    div = float(n.attrs.divisor)
-    return b.elementwise([total], n.shape, F32, lambda a, _o: arith.divf(a, b.cf(div)))
+    div = b.cf(float(n.attrs.divisor))
+    return pool(em, n, x, b.cf(0.0), F32, arith.addf, post=lambda t: arith.divf(t, div))
 
 
 # -- aten ops with no QIR op (FLOAT_OP): the few the zoo's transformers export ---------------
