@@ -113,3 +113,12 @@ def test_inspect_shows_chains_residency_and_dumps_ir(tmp_path):
     assert "int8 bytes fraction 1.0000" in result.output
     assert "chain  qconv2d+requant" in result.output
     assert (tmp_path / "ir" / "00-import.qir").is_file()
+
+
+def test_inspect_kernels_shows_dispatches_per_chain():
+    result = runner.invoke(app, ["inspect", str(RECIPES / "digits_cnn.yaml"), "--kernels",
+                                 "--batch", "4"])
+    assert result.exit_code == 0, result.output
+    assert "cpu dispatches (batch 4)" in result.output
+    assert "max 1 dispatch(es) per chain; 0 dispatch(es) write i32" in result.output
+    assert "1 dispatch  qconv2d+requant" in result.output
