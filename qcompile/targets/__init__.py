@@ -13,11 +13,16 @@ from qcompile.runtime.compiled import CompiledModel, InputSignature
 
 Builder = Callable[[QuantizedModel, Any], CompiledModel]
 _BUILDERS: dict[str, Builder] = {}
+_PROBES: dict[str, Callable[[], str | None]] = {}   # built targets that may not run here
 
 
-def register(name: str) -> Callable[[Builder], Builder]:
+def register(name: str, probe: Callable[[], str | None] | None = None
+             ) -> Callable[[Builder], Builder]:
+    """Register ``name``'s builder; ``probe`` says why the target cannot run here (or None)."""
     def add(builder: Builder) -> Builder:
         _BUILDERS[name] = builder
+        if probe is not None:
+            _PROBES[name] = probe
         return builder
 
     return add
@@ -54,8 +59,22 @@ def _cpu(q: QuantizedModel, options: Any = None) -> CompiledModel:
     return compile_cpu(q, options)
 
 
+def _cuda_probe() -> str | None:
+    from qcompile.codegen.triton.target import unavailable_reason
+
+    return unavailable_reason()
+
+
+@register("cuda", probe=_cuda_probe)
+def _cuda(q: QuantizedModel, options: Any = None) -> CompiledModel:
+    """QIR → Triton kernels (int8 tensor cores) on an NVIDIA GPU, sm_80 or newer. With
+    ``TRITON_INTERPRET=1`` the same kernels run in Triton's CPU interpreter (for checking)."""
+    from qcompile.codegen.triton.target import compile_cuda
+
+    return compile_cuda(q, options)
+
+
 _PLANNED = {
-    "cuda": "Triton code generation for NVIDIA GPUs is not part of this qcompile build",
     "rocm": "IREE code generation for AMD GPUs is not part of this qcompile build",
     "vulkan": "IREE code generation for Vulkan is not part of this qcompile build",
     "ort": "the ONNX Runtime target is not part of this qcompile build",
@@ -65,7 +84,8 @@ _PLANNED = {
 def unavailable_reason(target: str) -> str | None:
     """``None`` when ``target`` can run here, else why not."""
     if target in _BUILDERS:
-        return None
+        probe = _PROBES.get(target)
+        return probe() if probe else None
     return _PLANNED.get(target, f"unknown target; valid targets: {', '.join(TARGETS)}")
 
 
@@ -74,5 +94,6 @@ def compile_quantized(q: QuantizedModel, target: str, options: Any = None) -> Co
     if reason is not None:
         raise TargetUnavailableError(
             f"target {target!r} is not available", at=f"target {target}", why=reason,
-            next=f"use one of the available targets: {', '.join(sorted(_BUILDERS))}")
+            next="use one of the available targets: "
+                 f"{', '.join(t for t in sorted(_BUILDERS) if unavailable_reason(t) is None)}")
     return _BUILDERS[target](q, options)
