@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs qcompile and its dependencies into a virtual environment (default .venv; reused when
-# present). Usage: bash scripts/setup.sh [--test]    (--test adds the test tools)
+# present). Usage: bash scripts/setup.sh [--test]    (--test adds the test tools and the cuda
+# extra, Triton, whose kernels the tests check on the CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${QCOMPILE_VENV:-.venv}
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+[ "${1:-}" = "--test" ] && extra="[test,cuda]"
 [ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
