@@ -221,6 +221,8 @@ def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Ba
                                "vs_pt2e": compare(runner.modules[small].graph, q.module,
                                                   tuple(t[:small] for t in x))}
         result["latency_ms"] = cpu_latency(compiled, q, x)
+    if target == "ort":   # ONNX Runtime against the reference, every compiled batch size
+        result["exactness"] = {"vs_reference": vs_reference(compiled.runner, batches[0].inputs)}
     return {**result, "compile_s": compile_s}
 
 

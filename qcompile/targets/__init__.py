@@ -59,6 +59,15 @@ def _cpu(q: QuantizedModel, options: Any = None) -> CompiledModel:
     return compile_cpu(q, options)
 
 
+@register("ort")
+def _ort(q: QuantizedModel, options: Any = None) -> CompiledModel:
+    """QIR → an integer ONNX model (ConvInteger/MatMulInteger, int64 requantize) → ONNX Runtime
+    on the CPU, one model per compiled batch size; checked against the reference."""
+    from qcompile.codegen.ort.target import compile_ort
+
+    return compile_ort(q, options)
+
+
 def _cuda_probe() -> str | None:
     from qcompile.codegen.triton.target import unavailable_reason
 
@@ -77,7 +86,6 @@ def _cuda(q: QuantizedModel, options: Any = None) -> CompiledModel:
 _PLANNED = {
     "rocm": "IREE code generation for AMD GPUs is not part of this qcompile build",
     "vulkan": "IREE code generation for Vulkan is not part of this qcompile build",
-    "ort": "the ONNX Runtime target is not part of this qcompile build",
 }
 
 

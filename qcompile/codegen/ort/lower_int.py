@@ -1,0 +1,193 @@
+"""ONNX lowerings of QIR's integer ops, int8 data movement, quantize and dequantize (exact: see
+:mod:`qcompile.codegen.ort.export`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qcompile.codegen.ort.export import (
+    Exporter,
+    back,
+    conv_attrs,
+    lowers,
+    nchw,
+    per_channel,
+    zero_point,
+)
+from qcompile.ir.graph import Node, Op
+from qcompile.ir.types import DType
+
+
+@lowers(Op.QCONV2D)
+def _qconv(ex: Exporter, n: Node, v: list[str]) -> str:
+    x, w, b = n.src
+    weight = w.attrs.value if w.op is Op.CONST else None
+    if weight is None:
+        raise _needs_const(n, "weight")
+    if n.attrs.get("layout") == "nhwc":
+        weight = np.transpose(weight, TO_OIHW)
+    acc = ex.op("ConvInteger", [nchw(ex, n, v[0]), ex.const(weight),
+                                zero_point(ex, n.attrs.x_zp, x.dtype)], **conv_attrs(n))
+    bias = ex.const(np.asarray(b.attrs.value, np.int32).reshape(1, -1, 1, 1)) \
+        if b.op is Op.CONST else ex.op("Unsqueeze", [v[2], ex.const([0, 2, 3], np.int64)])
+    return back(ex, n, ex.op("Add", [acc, bias]))
+
+
+TO_OIHW = (0, 3, 1, 2)   # F x KH x KW x C/g -> F x C/g x KH x KW
+
+
+@lowers(Op.QLINEAR)
+def _qlinear(ex: Exporter, n: Node, v: list[str]) -> str:
+    x, w, _ = n.src
+    wt = ex.const(np.ascontiguousarray(w.attrs.value.T)) if w.op is Op.CONST \
+        else ex.op("Transpose", [v[1]], perm=[1, 0])
+    acc = ex.op("MatMulInteger", [v[0], wt, zero_point(ex, n.attrs.x_zp, x.dtype)])
+    return ex.op("Add", [acc, v[2]])
+
+
+@lowers(Op.QMATMUL)
+def _qmatmul(ex: Exporter, n: Node, v: list[str]) -> str:
+    a, b = n.src
+    return ex.op("MatMulInteger", [v[0], v[1], zero_point(ex, n.attrs.a_zp, a.dtype),
+                                   zero_point(ex, n.attrs.b_zp, b.dtype)])
+
+
+def _centred(ex: Exporter, x: str, zp: int, dtype: DType = DType.I32) -> str:
+    wide = ex.cast(x, dtype)
+    return ex.op("Sub", [wide, ex.const(zp, dtype.np)]) if zp else wide
+
+
+@lowers(Op.QMUL)
+def _qmul(ex: Exporter, n: Node, v: list[str]) -> str:
+    return ex.op("Mul", [_centred(ex, v[0], n.attrs.a_zp), _centred(ex, v[1], n.attrs.b_zp)])
+
+
+@lowers(Op.QSUMPOOL2D)
+def _qsumpool(ex: Exporter, n: Node, v: list[str]) -> str:
+    """Window sums of ``x - zp`` as a depthwise ConvInteger with all-one weights: the padding
+    holds the zero point, i.e. a centred zero, as in the reference."""
+    a = n.attrs
+    channels = n.shape[3] if a.get("layout") == "nhwc" else n.shape[1]
+    ones = np.ones((channels, 1, *a.kernel), np.uint8)
+    acc = ex.op("ConvInteger", [nchw(ex, n, v[0]), ex.const(ones),
+                                zero_point(ex, a.x_zp, n.src[0].dtype)],
+                strides=list(a.stride), pads=[*a.padding, *a.padding], group=channels)
+    return back(ex, n, acc)
+
+
+@lowers(Op.QSUM)
+def _qsum(ex: Exporter, n: Node, v: list[str]) -> str:
+    return ex.op("ReduceSum", [_centred(ex, v[0], n.attrs.x_zp),
+                               ex.const(list(n.attrs.dims), np.int64)],
+                 keepdims=int(n.attrs.keepdim))
+
+
+@lowers(Op.REQUANT)
+def _requant(ex: Exporter, n: Node, v: list[str]) -> str:
+    """``clamp(floor((sum_i (x_i - z_i) * M_i[c] + 2^(s-1)) / 2^s) + zp)`` in int64."""
+    rq = n.attrs.rq
+    ndim = max(len(s.shape) for s in n.src)
+    total = None
+    for x, term in zip(v, rq.terms, strict=True):
+        prod = ex.op("Mul", [_centred(ex, x, term.zero_point, DType.I64),
+                             ex.const(per_channel(term.multiplier, rq.axis, ndim))])
+        total = prod if total is None else ex.op("Add", [total, prod])
+    shift = per_channel(rq.shift, rq.axis, ndim)
+    biased = ex.op("Add", [total, ex.const(np.left_shift(np.int64(1), shift - 1))])
+    divisor = ex.const(np.left_shift(np.int64(1), shift))
+    floored = ex.op("Sub", [biased, ex.op("Mod", [biased, divisor], fmod=0)])
+    shifted = ex.op("Div", [floored, divisor])
+    out = ex.op("Add", [shifted, ex.const(rq.zp_out, np.int64)])
+    out = ex.op("Clip", [out, ex.const(rq.qmin, np.int64), ex.const(rq.qmax, np.int64)])
+    return ex.cast(out, rq.out_dtype)
+
+
+@lowers(Op.LUT)
+def _lut(ex: Exporter, n: Node, v: list[str]) -> str:
+    lo = n.src[0].dtype.range[0]
+    index = ex.cast(v[0], DType.I64)
+    if lo:
+        index = ex.op("Sub", [index, ex.const(lo, np.int64)])
+    return ex.op("Gather", [ex.const(np.asarray(n.attrs.table)), index], axis=0)
+
+
+def _scale_zp(n: Node, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    qp = n.attrs.qp
+    scale = np.asarray(qp.scale, dtype=np.float64)
+    zp = np.asarray(qp.zero_point, dtype=np.int64)
+    if qp.axis is None:
+        return scale.reshape(()), zp.reshape(())
+    shape = [1] * ndim
+    shape[qp.axis] = scale.size
+    return scale.reshape(shape), zp.reshape(shape)
+
+
+@lowers(Op.QUANT)
+def _quant(ex: Exporter, n: Node, v: list[str]) -> str:
+    """PT2E's quantize as :func:`qmath.quantize_array` computes it: times the float32
+    reciprocal of the float32 scale, round half to even, plus the zero point, clamp."""
+    qp = n.attrs.qp
+    scale, zp = _scale_zp(n, len(n.shape))
+    inv = (np.float32(1.0) / scale.astype(np.float32)).astype(np.float32)
+    x = v[0] if n.src[0].dtype is DType.F32 else ex.cast(v[0], DType.F32)
+    q = ex.op("Round", [ex.op("Mul", [x, ex.const(inv)])])
+    q = ex.op("Add", [q, ex.const(zp.astype(np.float32))])
+    q = ex.op("Clip", [q, ex.const(qp.qmin, np.float32), ex.const(qp.qmax, np.float32)])
+    return ex.cast(q, n.dtype)
+
+
+@lowers(Op.DEQUANT)
+def _dequant(ex: Exporter, n: Node, v: list[str]) -> str:
+    """``float32(x - zp) * float32(scale)``, as :func:`qmath.dequantize_array`."""
+    scale, zp = _scale_zp(n, len(n.shape))
+    x = ex.cast(v[0], DType.I64)
+    if np.any(zp):
+        x = ex.op("Sub", [x, ex.const(zp)])
+    return ex.op("Mul", [ex.cast(x, DType.F32), ex.const(scale.astype(np.float32))])
+
+
+@lowers(Op.MAXPOOL2D)
+def _maxpool(ex: Exporter, n: Node, v: list[str]) -> str:
+    a = n.attrs
+    y = ex.op("MaxPool", [nchw(ex, n, v[0])], kernel_shape=list(a.kernel),
+              strides=list(a.stride), pads=[*a.padding, *a.padding],
+              dilations=list(a.dilation))
+    return back(ex, n, y)
+
+
+@lowers(Op.RESHAPE)
+def _reshape(ex: Exporter, n: Node, v: list[str]) -> str:
+    return ex.op("Reshape", [v[0], ex.const(list(n.shape), np.int64)])
+
+
+@lowers(Op.PERMUTE)
+def _permute(ex: Exporter, n: Node, v: list[str]) -> str:
+    return ex.op("Transpose", [v[0]], perm=list(n.attrs.dims))
+
+
+@lowers(Op.CAT)
+def _cat(ex: Exporter, n: Node, v: list[str]) -> str:
+    parts = [x if s.dtype is n.dtype else ex.cast(x, n.dtype)
+             for x, s in zip(v, n.src, strict=True)]
+    return ex.op("Concat", parts, axis=int(n.attrs.axis))
+
+
+@lowers(Op.PAD)
+def _pad(ex: Exporter, n: Node, v: list[str]) -> str:
+    """torch's pads (last dim first, (before, after) pairs) as ONNX's (all befores, then all
+    afters); the value in the tensor's own dtype (an int8 pad holds the zero point)."""
+    rank, pads = len(n.shape), n.attrs.pads
+    before, after = [0] * rank, [0] * rank
+    for i in range(len(pads) // 2):
+        before[rank - 1 - i], after[rank - 1 - i] = pads[2 * i], pads[2 * i + 1]
+    value = np.asarray(n.attrs.value).astype(n.dtype.np)
+    return ex.op("Pad", [v[0], ex.const(before + after, np.int64), ex.const(value)])
+
+
+def _needs_const(n: Node, what: str) -> Exception:
+    from qcompile.errors import UnsupportedGraphError
+
+    return UnsupportedGraphError(
+        f"ort: {n.op.value} with a computed {what}", at=n.loc or n.op.value,
+        why="ConvInteger's weights are exported as initializers",
+        next="run this model on target cpu or reference")
