@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from qcompile.codegen import iree_cpu
-from qcompile.codegen.mlir_emit import emit_module
+from qcompile.codegen.mlir_emit import EmitOptions, emit_module
 from qcompile.ir.graph import Graph
 from qcompile.ir.types import DType
 
@@ -48,24 +48,26 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
     2. the same with dequantize epilogues in their own dispatch: IREE 3.13 turns a per-channel
        table read back into a broadcast operand when the rest of the epilogue folds away (a zero
        bias) and then crashes materializing the encoding;
-    3. the flag sets of :data:`iree_cpu.WORKAROUNDS` (no inner-tiled path, then no data tiling).
+    3. the flag sets of :data:`iree_cpu.WORKAROUNDS`: no inner-tiled path (contractions then
+       emitted s8 × s8 for IREE's mmt4d ukernels, several times slower than the u8 path but far
+       faster than untiled code), then no data tiling.
     """
-    ladder = [(None, iree_cpu.FAST_FLAGS, False),
-              ("split-dequant-epilogues", iree_cpu.FAST_FLAGS, True),
-              *((name, flags, False) for name, flags in iree_cpu.WORKAROUNDS)]
-    texts: dict[bool, str] = {}
+    ladder = [(None, iree_cpu.FAST_FLAGS, EmitOptions()),
+              ("split-dequant-epilogues", iree_cpu.FAST_FLAGS, EmitOptions(split_dequant=True)),
+              *((name, flags, EmitOptions(s8_contractions=name == "no-inner-tiled"))
+                for name, flags in iree_cpu.WORKAROUNDS)]
+    texts: dict[EmitOptions, str] = {}
     errors: list[str] = []
-    for workaround, extra, split in ladder:
-        if split not in texts:
-            texts[split] = emit_module(graph, split_dequant=split).operation.get_asm(
-                enable_debug_info=True)
+    for workaround, extra, opts in ladder:
+        if opts not in texts:
+            texts[opts] = emit_module(graph, opts).operation.get_asm(enable_debug_info=True)
         flags = (*iree_cpu.TARGET_FLAGS, *extra)
-        got = iree_cpu.try_compile(texts[split], flags)
+        got = iree_cpu.try_compile(texts[opts], flags)
         if isinstance(got, bytes):
-            return BatchModule(batch, got, flags, workaround, graph, texts[split])
+            return BatchModule(batch, got, flags, workaround, graph, texts[opts])
         errors.append(got)
-    raise iree_cpu.failure(texts[False], (*iree_cpu.TARGET_FLAGS, *iree_cpu.FAST_FLAGS), errors,
-                           keep_dir, f"{graph.name}.b{batch}")
+    raise iree_cpu.failure(texts[EmitOptions()], (*iree_cpu.TARGET_FLAGS, *iree_cpu.FAST_FLAGS),
+                           errors, keep_dir, f"{graph.name}.b{batch}")
 
 
 def pieces(n: int, sizes: Sequence[int]) -> list[int]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 from iree.compiler import ir
-from iree.compiler.dialects import arith
+from iree.compiler.dialects import arith, linalg
 
 from qcompile.codegen import builder as b
 from qcompile.codegen.builder import TV
@@ -55,6 +55,11 @@ def gemm_u8s8(a: TV, w: np.ndarray) -> TV:
     ``[M,N]``, zero-initialised."""
     m, k = a.shape
     nn = w.shape[0]
+    if a.dtype is DType.I8:
+        # s8 x s8: the named op, which IREE's data tiling hands to its mmt4d ukernel
+        wt = b.constant(np.ascontiguousarray(w.T), DType.I8)
+        init = b.filled((m, nn), DType.I32, b.ci(0, 32))
+        return TV(linalg.matmul(a.value, wt.value, outs=[init]), DType.I32, (m, nn))
     wc = b.constant(w, DType.I8)
     d = b.dims(3)
     maps = [b.amap(3, [d[0], d[2]]), b.amap(3, [d[1], d[2]]), b.amap(3, [d[0], d[1]])]
@@ -68,13 +73,17 @@ def gemm_u8s8(a: TV, w: np.ndarray) -> TV:
     return TV(res[0], DType.I32, (m, nn))
 
 
-def contract_rows(a: TV, zp: int, w: np.ndarray, bias: np.ndarray, where: Node) -> tuple[TV,
-                                                                                     np.ndarray]:
+def contract_rows(em: Emitter, a: TV, zp: int, w: np.ndarray, bias: np.ndarray,
+                  where: Node) -> tuple[TV, np.ndarray]:
     """The GEMM of u8 rows ``a`` with ``w[N,K]`` and the bias its epilogue must add.
 
     IREE 3.13's inner-tiled path cannot tile a one-row GEMM (a classifier at batch 1): that row
     is padded to two and row 0 is sliced out of the result, past a barrier (IREE fails when the
-    slice shares the GEMM's dispatch). Such a chain is two dispatches; its i32 row is written."""
+    slice shares the GEMM's dispatch). Such a chain is two dispatches; its i32 row is written.
+    With ``s8_contractions`` the rows are flipped to s8 first (see ``EmitOptions``)."""
+    if em.opts.s8_contractions:
+        a = b.elementwise([a], a.shape, DType.I8, lambda x, _o: arith.xori(x, b.ci(-128, 8)))
+        zp -= 128
     if a.shape[0] != 1:
         return gemm_u8s8(a, w), folded_bias(bias, w, zp, where)
     two = b.pad(a, [0, 0], [1, 0], b.ci(zp, 8))
@@ -88,7 +97,7 @@ def _qlinear(em: Emitter, n: Node, v: list[Value]) -> Value:
     w, bias = np.asarray(n.src[1].attrs.value), np.asarray(n.src[2].attrs.value)
     k = x.shape[-1]
     rows = b.reshape(x, (int(np.prod(x.shape[:-1])), k))
-    acc, folded = contract_rows(rows, zp, w, bias, n)
+    acc, folded = contract_rows(em, rows, zp, w, bias, n)
     return Acc(b.reshape(acc, n.shape), folded, len(n.shape) - 1)
 
 
@@ -116,7 +125,7 @@ def _qconv(em: Emitter, n: Node, v: list[Value]) -> Value:
     if a.groups == 1:
         with em.loc(n, ".copy"):
             rows = _im2col(xp, (kh, kw), (sh, sw), (dh, dw), (oh, ow))
-        acc, folded = contract_rows(rows, zp, w.reshape(f, -1), bias, n)
+        acc, folded = contract_rows(em, rows, zp, w.reshape(f, -1), bias, n)
         out = b.reshape(acc, (nb, oh, ow, f))
     else:
         out = _grouped(xp, w, a.groups, (sh, sw), (dh, dw), (oh, ow))

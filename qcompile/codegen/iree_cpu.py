@@ -35,7 +35,7 @@ FAST_FLAGS = (
 )
 # (name, flags replacing FAST_FLAGS) tried in order after the fast configuration fails
 WORKAROUNDS = (
-    ("no-inner-tiled", ("--iree-opt-data-tiling",
+    ("no-inner-tiled", ("--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all",
                         "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops")),
     ("no-data-tiling", ("--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops",)),
 )

@@ -58,10 +58,22 @@ def _load_emitters() -> None:
     from qcompile.codegen import emit_contract, emit_float  # noqa: F401 - registers emitters
 
 
+@dataclass(frozen=True)
+class EmitOptions:
+    """Variants of the lowering used by the workaround ladder (``qcompile.codegen.cpu``).
+
+    ``split_dequant``: fence contractions from their dequantize epilogues. ``s8_contractions``:
+    contractions as s8 × s8 (activations flipped, zero point - 128), the form IREE's mmt4d
+    ukernels take when the u8 inner-tiled path is off (u8 × s8 then falls to untiled code)."""
+
+    split_dequant: bool = False
+    s8_contractions: bool = False
+
+
 class Emitter:
-    def __init__(self, graph: Graph, *, split_dequant: bool = False) -> None:
+    def __init__(self, graph: Graph, opts: EmitOptions | None = None) -> None:
         self.graph = graph
-        self.split_dequant = split_dequant
+        self.opts = opts or EmitOptions()
         self.ids = {id(n): k for k, n in enumerate(graph.nodes())}
         self.users = graph.users()
 
@@ -89,14 +101,13 @@ def unsupported(n: Node, why: str) -> CompileError:
                              "target 'reference'")
 
 
-def emit_module(graph: Graph, *, split_dequant: bool = False) -> ir.Module:
-    """The MLIR module of ``graph`` with one public function ``main`` (inputs → outputs).
-    ``split_dequant`` fences contractions from their dequantize epilogues (a workaround)."""
+def emit_module(graph: Graph, opts: EmitOptions | None = None) -> ir.Module:
+    """The MLIR module of ``graph`` with one public function ``main`` (inputs → outputs)."""
     _load_emitters()
     ctx = ir.Context()
     with ctx, ir.Location.unknown():
         module = ir.Module.create()
-        em = Emitter(graph, split_dequant=split_dequant)
+        em = Emitter(graph, opts)
         arg_types = [b.tensor_type(n.shape, n.dtype) for n in graph.inputs]
         with ir.InsertionPoint(module.body):
             @func.FuncOp.from_py_func(*arg_types, name="main")
@@ -213,7 +224,7 @@ def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
     """``f32(x + bias - zp) * s[c]``."""
     qp = n.attrs.qp
     src = v[0]
-    if em.split_dequant and isinstance(src, Acc):
+    if em.opts.split_dequant and isinstance(src, Acc):
         src = Acc(b.barrier(src.tv), src.bias, src.axis)
     x = src.tv if isinstance(src, Acc) else src
     bias = per_channel(src.bias, 32, src.axis) if isinstance(src, Acc) and \
