@@ -60,6 +60,13 @@ def method_options(method: str) -> dict[str, Any]:
     return {k: default for k, (_, default) in _OPTIONS[method].items()}
 
 
+def check_method_options(method: str, options: dict[str, Any]) -> None:
+    """Raise :class:`~qcompile.errors.RecipeError` for an unknown method, or an unknown or
+    out-of-range option of it (what :func:`observer_ctr` would refuse), without building one."""
+    _check_method(method)
+    _check_options(method, options)
+
+
 def observer_ctr(
     method: str,
     *,

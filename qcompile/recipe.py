@@ -2,12 +2,16 @@
 
 The schema is a set of pydantic models with ``extra="forbid"``; every validation failure becomes a
 :class:`RecipeError` naming the file, the key path (``calibration.method``), the bad value and the
-valid choices. Files are read with ``yaml.safe_load`` only.
+valid choices. Files are read with PyYAML's ``SafeLoader`` only (plain data, no tags that build
+objects), after a nesting-depth check, refusing duplicate keys.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
+import re
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,6 +24,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from qcompile.errors import RecipeError
@@ -29,6 +34,9 @@ TARGETS = ("pt2e", "reference", "cpu", "cuda", "rocm", "vulkan", "ort")
 PEERS = ("eager_fp32", "inductor_fp32", "pt2e_inductor_int8", "ort_fp32", "ort_int8",
          "iree_qdq", "qcompile")
 MAX_RECIPE_BYTES = 1 << 20
+MAX_NESTING = 64        # recipes nest 3 deep; PyYAML's composer recurses once per level
+# recipe names become folder names (out/<name>): one portable path component
+_NAME = re.compile(r"\w[\w.+-]*")
 
 
 def _one_of(choices: Any) -> AfterValidator:
@@ -68,7 +76,8 @@ MethodName = Annotated[str, _one_of(_method_names)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # NaN and infinities are no thresholds or sizes: a NaN threshold would fail (or pass) silently
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ModelSection(_Strict):
@@ -84,16 +93,36 @@ class ModelSection(_Strict):
     @classmethod
     def _entry_form(cls, entry: str | None) -> str | None:
         if entry is not None and (entry.count(":") != 1 or not all(entry.split(":"))):
-            raise ValueError(f"expected 'package.module:function', got {entry!r}")
+            raise ValueError(f"expected 'package.module:function', got {_shown(entry)}")
         return entry
+
+    @field_validator("seq_len")
+    @classmethod
+    def _token_models_only(cls, seq_len: int | None, info: ValidationInfo) -> int | None:
+        from qcompile.zoo import TOKEN_MODELS
+
+        zoo = info.data.get("zoo")
+        if seq_len is not None and zoo not in TOKEN_MODELS:
+            raise ValueError(f"only the zoo token models ({', '.join(TOKEN_MODELS)}) take a "
+                             f"seq_len; this model is {zoo or info.data.get('entry')!r}")
+        return seq_len
 
     @field_validator("input_shapes")
     @classmethod
     def _positive_dims(cls, shapes: list[list[int]] | None) -> list[list[int]] | None:
         for shape in shapes or ():
             if not shape or any(d < 1 or d > 1 << 20 for d in shape):
-                raise ValueError(f"every shape needs dims in 1..{1 << 20}, got {shape}")
+                raise ValueError(f"every shape needs dims in 1..{1 << 20}, got {_shown(shape)}")
         return shapes
+
+    @model_validator(mode="after")
+    def _dtypes_fit_shapes(self) -> ModelSection:
+        if self.input_dtypes is not None and (self.input_shapes is None or len(
+                self.input_dtypes) != len(self.input_shapes)):
+            raise ValueError(f"'input_dtypes' needs one dtype per entry of 'input_shapes' (got "
+                             f"{len(self.input_dtypes)} dtypes for "
+                             f"{len(self.input_shapes or [])} shapes)")
+        return self
 
 
 class QuantizerSection(_Strict):
@@ -117,19 +146,59 @@ class QuantizerSection(_Strict):
 
 class CalibrationSection(_Strict):
     dataset: DatasetName | None = None
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     batches: int = Field(default=8, ge=1, le=100_000)
     batch_size: int = Field(default=8, ge=1, le=4096)
     method: MethodName = "histogram"
     method_options: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("options")
+    @classmethod
+    def _reader_options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return _check_reader_options(info.data.get("dataset"), options)
+
+    @field_validator("method_options")
+    @classmethod
+    def _method_options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        method = info.data.get("method")
+        if method is not None:   # an unknown method is reported on its own key
+            from calibration.methods import check_method_options
+
+            try:
+                check_method_options(method, options)
+            except RecipeError as err:
+                raise ValueError(f"{err.what}; {err.why}") from None
+        return options
 
 
 class EvaluationSection(_Strict):
     dataset: DatasetName | None = None
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     batches: int | None = Field(default=None, ge=1, le=100_000)
     batch_size: int = Field(default=16, ge=1, le=4096)
+
+    @field_validator("options")
+    @classmethod
+    def _reader_options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return _check_reader_options(info.data.get("dataset"), options)
+
+
+def _check_reader_options(dataset: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """Option names of the dataset reader, the required ones present (values are the reader's to
+    check). Without a dataset the model's default one reads them: known once the model is built."""
+    if dataset is None:
+        return options
+    import calibration
+
+    valid = calibration.reader_options(dataset)
+    if unknown := [k for k in options if k not in valid]:
+        raise ValueError(f"unknown option {_shown(unknown[0])} for dataset {dataset!r}; valid "
+                         f"options: {', '.join(valid) or 'none'}")
+    if missing := [k for k, d in valid.items() if d is inspect.Parameter.empty
+                   and k not in options]:
+        raise ValueError(f"dataset {dataset!r} needs option {missing[0]!r} (options: "
+                         f"{', '.join(valid)})")
+    return options
 
 
 class AccuracySection(_Strict):
@@ -172,6 +241,14 @@ class Recipe(_Strict):
     compile: CompileSection = CompileSection()
     path: str = Field(default="<memory>", exclude=True)
 
+    @field_validator("name")
+    @classmethod
+    def _portable_name(cls, name: str) -> str:
+        if not _NAME.fullmatch(name):
+            raise ValueError("a recipe name is a folder name (out/<name>): letters, digits and "
+                             "'_', '-', '.', '+', starting with a letter or digit")
+        return name
+
     @field_validator("version")
     @classmethod
     def _supported_version(cls, version: int) -> int:
@@ -179,6 +256,14 @@ class Recipe(_Strict):
             raise ValueError(f"unsupported recipe version {version}; this qcompile reads version "
                              f"{RECIPE_VERSION}")
         return version
+
+    @field_validator("evaluation")
+    @classmethod
+    def _evaluation_options(cls, e: EvaluationSection, info: ValidationInfo) -> EvaluationSection:
+        calibration = info.data.get("calibration")
+        if e.dataset is None and calibration is not None:   # evaluation reads that dataset too
+            _check_reader_options(calibration.dataset, e.options)
+        return e
 
     @field_validator("model")
     @classmethod
@@ -192,9 +277,24 @@ class Recipe(_Strict):
 
 
 def _choices_message(value: str, choices: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(str(value), list(choices), n=1)
+    close = difflib.get_close_matches(str(value)[:200], list(choices), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown name {value!r}{hint}; valid choices: {', '.join(choices)}"
+    return f"unknown name {_shown(value)}{hint}; valid choices: {', '.join(choices)}"
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 3, 60, 40, 60
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A bounded ``repr``: a recipe value may be a shared alias structure of astronomical size
+    (a YAML "billion laughs") or an int beyond Python's str conversion limit."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:
+        text = f"<an integer of {value.bit_length()} bits>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -210,6 +310,11 @@ def recipe_from_dict(data: Any, *, path: str = "<memory>") -> Recipe:
         raise RecipeError(f"recipe {path}: expected a mapping at the top level",
                           at=path, why=f"the document is a {type(data).__name__}",
                           next="start from one of the shipped recipes in recipes/")
+    if "path" in data:   # a field, but qcompile's to fill: never read from the file
+        raise RecipeError(f"recipe {path}: invalid value at 'path'", at=f"{path}: path",
+                          why="unknown key 'path'; valid keys here: " + ", ".join(
+                              k for k in Recipe.model_fields if k != "path"),
+                          next="remove the key; a recipe's path is where it was read from")
     try:
         return Recipe.model_validate({**data, "path": path})
     except ValidationError as err:
@@ -232,21 +337,89 @@ def _read_yaml(path: Path) -> Any:
                           why=f"{path.stat().st_size} bytes; recipes are at most "
                               f"{MAX_RECIPE_BYTES} bytes", next="check that this is a recipe file")
     try:
-        text = path.read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
+        data = _parse_yaml(path, path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise RecipeError(f"recipe {path} is not UTF-8 text", at=str(path), why=str(err),
                           next="save the recipe as UTF-8") from None
+    except OSError as err:
+        raise RecipeError(f"cannot read recipe {path}", at=str(path),
+                          why=f"{type(err).__name__}: {err.strerror or err}",
+                          next="check the file's permissions") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise RecipeError(f"recipe {path} is not valid YAML", at=where,
                           why=str(getattr(err, "problem", None) or err),
                           next="fix the YAML syntax at that line") from None
+    except (ValueError, RecursionError) as err:
+        # PyYAML's int() of a number beyond Python's 4300-digit limit; nesting past the stack
+        raise RecipeError(f"recipe {path} holds a value no recipe can hold", at=str(path),
+                          why=f"{type(err).__name__}: {str(err)[:160]}",
+                          next="check the file: numbers of thousands of digits or nesting "
+                               "thousands deep are no recipe") from None
     if data is None:
         raise RecipeError(f"recipe {path} is empty", at=str(path), why="the file holds no data",
                           next="start from one of the shipped recipes in recipes/")
     return data
+
+
+def _parse_yaml(path: Path, text: str) -> Any:
+    """``yaml.safe_load`` (PyYAML's SafeLoader: plain data only), after two checks it lacks:
+    nesting depth (scanned without recursion) and duplicate keys (on the composed nodes)."""
+    _check_nesting(path, text)
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(path, node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+_OPEN = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+         yaml.FlowSequenceStartToken)
+_CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+
+
+def _check_nesting(path: Path, text: str) -> None:
+    depth = 0
+    for token in yaml.scan(text, Loader=yaml.SafeLoader):
+        depth += isinstance(token, _OPEN) - isinstance(token, _CLOSE)
+        if depth > MAX_NESTING:
+            mark = token.start_mark
+            raise RecipeError(f"recipe {path} nests too deeply",
+                              at=f"{path}:{mark.line + 1}:{mark.column + 1}",
+                              why=f"more than {MAX_NESTING} levels of mappings and lists",
+                              next="a recipe nests a few levels; see recipes/ for the schema")
+
+
+def _check_duplicate_keys(path: Path, root: yaml.Node | None) -> None:
+    """PyYAML keeps the last of two equal keys silently; a strict recipe refuses them. Walks the
+    node graph once per node (aliases share nodes, so an alias bomb stays linear here)."""
+    seen: set[int] = set()
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: set[str] = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value in keys:
+                    mark = key.start_mark
+                    raise RecipeError(f"recipe {path}: duplicate key {_shown(key.value)}",
+                                      at=f"{path}:{mark.line + 1}:{mark.column + 1}",
+                                      why="a key appears twice in one mapping (YAML would keep "
+                                          "the last one silently)",
+                                      next="keep one of the two")
+                if isinstance(key, yaml.ScalarNode):
+                    keys.add(key.value)
+                stack += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
 
 
 def _recipe_error(err: ValidationError, path: str, data: Any) -> RecipeError:
@@ -261,19 +434,20 @@ def _recipe_error(err: ValidationError, path: str, data: Any) -> RecipeError:
 
 
 def _describe(error: Any, data: Any) -> tuple[str, str]:
-    loc = [str(p) for p in error["loc"]]
+    loc = [str(p)[:60] for p in error["loc"]]
     key = ".".join(loc) or "<top>"
     kind = error["type"]
     if kind == "extra_forbidden":
         parent = _section_model(loc[:-1])
-        valid = ", ".join(k for k in parent.model_fields if k != "path") if parent else "?"
-        return key, f"unknown key {loc[-1]!r}; valid keys here: {valid}"
+        keys = [k for k in parent.model_fields if k != "path"] if parent else []
+        close = difflib.get_close_matches(loc[-1], keys, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return key, f"unknown key {_shown(loc[-1])}{hint}; valid keys here: " + (
+            ", ".join(keys) or "?")
     if kind == "missing":
         return key, "required key is missing"
-    value = error.get("input")
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     msg = error["msg"].removeprefix("Value error, ")
-    return key, f"bad value {shown}: {msg}"
+    return key, f"bad value {_shown(error.get('input'))}: {msg[:300]}"
 
 
 def _section_model(loc: list[str]) -> type[BaseModel] | None:
