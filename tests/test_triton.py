@@ -199,6 +199,20 @@ def test_digits_cnn__interpreted_kernels_equal_reference(digits):
     assert model.report["residency"]["int8_bytes_fraction"] == 1.0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_zoo_cnn_at_batch_1__interpreted_kernels_equal_reference(name):
+    """224x224 models: 128-row tiles, K up to 4608, residual epilogues, the 7x7 stem, padded
+    max pool, depthwise convs (about a minute each in the interpreter)."""
+    z = zoo.build(name)
+    reader = calibration.get_reader(z.default_dataset)
+    cal = list(reader.batches(z.spec, batch_size=4, num_batches=1, split="calibration"))
+    q = quantize(z.module, z.example_inputs(1), cal, QuantizeConfig(quantizer="qcompile"))
+    model = _compile(q, sizes=(1,))
+    _assert_exact(model, cal[0].inputs[0][:1])
+    assert model.report["kernels"]["host_ops"] == []
+
+
 # -- (b) ahead-of-time compile for sm_80 / sm_90, no GPU ---------------------------------------
 
 @pytest.fixture(scope="module")
