@@ -3,8 +3,12 @@
 A zip (stored, not compressed) of ``meta.json`` and one IREE module per compiled batch size,
 ``b<N>.vmfb``. ``meta.json`` holds the format version, the target, the host it was compiled for,
 the input signature, the output dtypes and shapes, and each module's size and SHA-256. Loading
-checks all of it before any module reaches IREE; nothing in an artifact is executed but the IREE
-modules it declares (no pickle anywhere). Writes are atomic (temp file + rename).
+checks all of it before any module reaches IREE: the member list (exactly ``meta.json`` and the
+declared modules, stored uncompressed, of their declared sizes), every field's type, the batch
+sizes against the input signature, each module's checksum, and the signature IREE reads from each
+module's ``main`` against ``meta.json`` (parsed, not run). Nothing in an artifact is executed but
+the IREE modules it declares (no pickle anywhere). The checksums detect corruption, not tampering:
+an artifact is not signed. Writes are atomic (temp file + rename).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import hashlib
 import io
 import json
 import platform
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -26,8 +31,12 @@ from qcompile.runtime.compiled import CompiledModel, InputSignature
 FORMAT = "qcompile-artifact"
 FORMAT_VERSION = 1
 MAX_META_BYTES = 1 << 20
+MAX_MODULE_BYTES = 1 << 30
+MAX_DIM = 1 << 20
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32,
           "uint8": torch.uint8, "int8": torch.int8}
+OUTPUT_DTYPES = ("f32", "i8", "u8", "i32", "i64", "bool")   # QIR dtype names
+_MLIR_TYPES = {"float32": "f32", "int64": "i64", "int32": "i32", "uint8": "i8", "int8": "i8"}
 
 
 def save(model: CompiledModel, path: str | Path) -> Path:
@@ -82,6 +91,8 @@ def load(path: str | Path) -> CompiledModel:
     if not modules:
         raise _bad(path, "meta.json lists no modules")
     for m in modules.values():
+        _check_declaration(path, m.batch, m.vmfb, meta)
+    for m in modules.values():
         m.module()   # load now: a module IREE rejects fails here, not at the first call
     report = {**meta.get("report", {}), "artifact": str(path)}
     return CompiledModel("cpu", signature, CpuRunner(modules, outputs), report)
@@ -93,13 +104,15 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
                             next="compile one with: qcompile compile RECIPE -o model.qca")
     try:
         with zipfile.ZipFile(path) as z:
-            meta_info = z.getinfo("meta.json")
-            if meta_info.file_size > MAX_META_BYTES:
-                raise _bad(path, f"meta.json is {meta_info.file_size} bytes")
+            if len(z.namelist()) != len(set(z.namelist())):
+                raise _bad(path, "a member appears twice")
+            _check_member(path, z.getinfo("meta.json"), MAX_META_BYTES)
             meta = json.loads(z.read("meta.json"))
             _check_meta(path, meta)
+            _check_members(path, z, meta["modules"])
             blobs = {}
             for name, m in meta["modules"].items():
+                _check_member(path, z.getinfo(name), MAX_MODULE_BYTES, m["bytes"])
                 data = z.read(name)
                 if len(data) != m["bytes"] or hashlib.sha256(data).hexdigest() != m["sha256"]:
                     raise _bad(path, f"{name} does not match its checksum (corrupt or edited)")
@@ -118,7 +131,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
 def _check_meta(path: Path, meta: Any) -> None:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _bad(path, "not a qcompile artifact (meta.json has no qcompile format tag)")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if type(meta.get("format_version")) is not int or meta["format_version"] != FORMAT_VERSION:
         raise ArtifactError(f"artifact {path} has format version {meta.get('format_version')!r}",
                             at=str(path), why=f"this qcompile reads version {FORMAT_VERSION}",
                             next="recompile the model with this qcompile")
@@ -132,11 +145,107 @@ def _check_meta(path: Path, meta: Any) -> None:
                                 "(the code uses the compiling CPU's instruction set)",
                             next="recompile on this machine")
     modules = meta.get("modules")
-    if not isinstance(modules, dict) or not all(
-            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("bytes"), int)
-            and isinstance(v.get("sha256"), str) and isinstance(v.get("batch"), int)
+    if not isinstance(modules, dict) or not modules or not all(
+            isinstance(v, dict) and _count(v.get("batch")) and k == f"b{v['batch']}.vmfb"
+            and _count(v.get("bytes"), 0) and isinstance(v.get("sha256"), str)
             for k, v in modules.items()):
         raise _bad(path, "meta.json lists its modules wrongly")
+    flags = meta.get("flags")
+    if not isinstance(flags, dict) or not all(
+            isinstance(flags.get(str(v["batch"])), list)
+            and all(isinstance(f, str) for f in flags[str(v["batch"])]) for v in modules.values()):
+        raise _bad(path, "meta.json lists the compile flags wrongly")
+    if not isinstance(meta.get("report", {}), dict):
+        raise _bad(path, "meta.json's report is not a mapping")
+    _check_signature(path, meta["inputs"] if _inputs_ok(meta) else None, meta.get("outputs"),
+                     {v["batch"] for v in modules.values()})
+
+
+def _count(v: Any, lo: int = 1, hi: int = MAX_MODULE_BYTES) -> bool:
+    """An int in ``lo..hi`` (JSON true/false are not counts)."""
+    return type(v) is int and lo <= v <= hi
+
+
+def _dims(shape: Any) -> bool:
+    return isinstance(shape, list) and len(shape) <= 8 and all(_count(d, 1, MAX_DIM)
+                                                               for d in shape)
+
+
+def _inputs_ok(meta: dict[str, Any]) -> bool:
+    inputs = meta.get("inputs")
+    return isinstance(inputs, list) and bool(inputs) and all(
+        isinstance(i, dict) and isinstance(i.get("name"), str) and i.get("dtype") in DTYPES
+        and _dims(i.get("shape")) and (i.get("batch") is None or _count(i.get("batch")))
+        and _count(i.get("max_batch"), 1, MAX_DIM) for i in inputs)
+
+
+def _check_signature(path: Path, inputs: list[dict[str, Any]] | None, outputs: Any,
+                     batches: set[int]) -> None:
+    """Input and output descriptions well formed; the modules' batch sizes those the inputs
+    accept (a static batch: that one module; a dynamic one: 1 among them, none above max)."""
+    if inputs is None:
+        raise _bad(path, "meta.json describes its inputs wrongly")
+    if not isinstance(outputs, list) or not outputs or not all(
+            isinstance(o, dict) and o.get("dtype") in OUTPUT_DTYPES and _dims(o.get("shape"))
+            for o in outputs):
+        raise _bad(path, "meta.json describes its outputs wrongly")
+    static = {i["batch"] for i in inputs}
+    if None not in static and (len(static) != 1 or batches != static):
+        raise _bad(path, f"modules for batch sizes {sorted(batches)} but the inputs take batch "
+                         f"{sorted(static)} only")
+    if None in static and (static != {None} or 1 not in batches
+                           or max(batches) > min(i["max_batch"] for i in inputs)):
+        raise _bad(path, f"modules for batch sizes {sorted(batches)} do not cover batches 1.."
+                         f"{min(i['max_batch'] for i in inputs)} in pieces")
+
+
+def _check_member(path: Path, info: zipfile.ZipInfo, limit: int, size: int | None = None
+                  ) -> None:
+    """Sizes from the zip directory, before a byte is read: stored (never inflated), bounded."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise _bad(path, f"{info.filename} is compressed; qcompile stores members")
+    if info.file_size > limit or info.compress_size != info.file_size:
+        raise _bad(path, f"{info.filename} declares {info.file_size} bytes")
+    if size is not None and info.file_size != size:
+        raise _bad(path, f"{info.filename} holds {info.file_size} bytes, meta.json says {size}")
+
+
+def _check_members(path: Path, z: zipfile.ZipFile, modules: dict[str, Any]) -> None:
+    names = z.namelist()
+    if extra := sorted(set(names) - {"meta.json", *modules}):
+        raise _bad(path, f"unexpected member(s) {', '.join(map(repr, extra[:5]))}")
+    if missing := sorted(set(modules) - set(names)):
+        raise _bad(path, f"missing member {missing[0]!r}")
+
+
+_TENSOR = re.compile(r"tensor<([0-9x]*?)x?([a-z]+[0-9]*)>")
+
+
+def _check_declaration(path: Path, batch: int, vmfb: bytes, meta: dict[str, Any]) -> None:
+    """The signature IREE reads from the module's ``main`` (parsed, nothing run) against
+    meta.json: a module swapped for another model's, or a meta.json edited, stops here."""
+    import iree.runtime as rt
+
+    try:
+        vm = rt.VmModule.copy_buffer(rt.VmInstance(), vmfb)
+        declared = (vm.lookup_function("main") or _no_main()).reflection.get(
+            "iree.abi.declaration", "")
+    except (RuntimeError, ValueError, AttributeError) as err:
+        raise _bad(path, f"b{batch}.vmfb is no loadable IREE module ({str(err)[:200]})") from None
+    args, _, results = declared.partition("->")
+    want_in = [(f"{batch}x" + "x".join(map(str, i["shape"]))).rstrip("x") + " " +
+               _MLIR_TYPES[i["dtype"]] for i in meta["inputs"]]
+    got_in = [f"{dims} {t}" for dims, t in _TENSOR.findall(args)]
+    want_out = [(f"{batch}x" + "x".join(map(str, o["shape"]))).rstrip("x")
+                for o in meta["outputs"]]
+    got_out = [dims for dims, _ in _TENSOR.findall(results)]
+    if got_in != want_in or got_out != want_out:
+        raise _bad(path, f"b{batch}.vmfb takes {got_in} -> {got_out}; meta.json says "
+                         f"{want_in} -> {want_out}")
+
+
+def _no_main() -> Any:
+    raise ValueError("the module has no function 'main'")
 
 
 def _bad(path: Path, why: str) -> ArtifactError:

@@ -11,10 +11,37 @@ from pathlib import Path
 
 import pytest
 import robustness_tally as tally
+import torch
+from robustness_models import block_inputs, quantized_block
 
 HERE = Path(__file__).parent
 _seen_files: set[str] = set()
 _deselected: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def quantized():  # type: ignore[no-untyped-def]
+    """The tiny PT2E block model (quantized once per session)."""
+    return quantized_block()
+
+
+@pytest.fixture(scope="session")
+def compiled(quantized):  # type: ignore[no-untyped-def]
+    """The block compiled for cpu at batch sizes 1 and 2 (other batches run in pieces)."""
+    import qcompile
+
+    return qcompile.compile(quantized, "cpu", {"batch_sizes": (1, 2), "analyze": False})
+
+
+@pytest.fixture(scope="session")
+def artifact(compiled, tmp_path_factory) -> Path:
+    """``compiled`` saved as a ``.qca``; tests copy it before damaging it."""
+    return compiled.save(tmp_path_factory.mktemp("artifact") / "block.qca")
+
+
+@pytest.fixture(scope="session")
+def sample() -> torch.Tensor:
+    return block_inputs(5, seed=7)
 
 
 def _ours(item: pytest.Item) -> bool:
