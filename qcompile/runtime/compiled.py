@@ -1,4 +1,7 @@
-"""``CompiledModel``: a model ready to run on one target, with its inputs checked at every call."""
+"""``CompiledModel``: a model ready to run on one target, with its inputs checked at every call:
+a dense CPU tensor per input, of the compiled dtype, rank and shape, a batch the model takes, and,
+for float inputs, finite values. Calls from several threads are safe (each target serialises what
+it must)."""
 
 from __future__ import annotations
 
@@ -66,6 +69,9 @@ class CompiledModel:
 def _input_problem(x: Any, sig: InputSignature) -> str | None:
     if not isinstance(x, torch.Tensor):
         return f"got a {type(x).__name__}, not a torch.Tensor"
+    if x.is_nested or x.layout is not torch.strided:
+        kind = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
+        return f"got {kind}; compiled models read dense (strided) tensors (try .to_dense())"
     if x.device.type != "cpu":
         return f"tensor is on {x.device}; this target reads CPU tensors"
     if x.dtype != sig.dtype:
@@ -81,4 +87,15 @@ def _input_problem(x: Any, sig: InputSignature) -> str | None:
         return f"batch size {n}; this model was compiled for batch {sig.batch} only"
     if n > sig.max_batch:
         return f"batch size {n} exceeds the maximum {sig.max_batch}"
+    if x.dtype.is_floating_point and not bool(torch.isfinite(x).all()):
+        return _non_finite(x)
     return None
+
+
+def _non_finite(x: torch.Tensor) -> str:
+    """Int8 codes have no NaN or infinity, and a compiled quantize maps them to arbitrary codes:
+    refused (see README, target cpu, "Inputs")."""
+    bad = ~torch.isfinite(x)
+    where = tuple(int(i) for i in bad.nonzero()[0])
+    return (f"holds {int(bad.sum())} non-finite value(s), the first {x[where].item()} at index "
+            f"{list(where)}; int8 models take finite inputs only")
