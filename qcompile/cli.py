@@ -127,7 +127,10 @@ def inspect(recipe: RecipeArg,
             batch: Annotated[int, typer.Option(help="batch size to specialise for")] = 1,
             kernels: Annotated[bool, typer.Option(
                 "--kernels", help="also compile for cpu and show the dispatches per chain")
-            ] = False) -> None:
+            ] = False,
+            accuracy: Annotated[bool, typer.Option(
+                "--accuracy", help="also show each fused chain's SQNR vs float and vs PT2E on "
+                                   "the first evaluation batch")] = False) -> None:
     """Quantize, run the pass pipeline, show fused chains, int8 residency and float ops."""
     _setup_logging()
     from qcompile.frontend.quantize import QuantizeConfig, quantize
@@ -155,6 +158,21 @@ def inspect(recipe: RecipeArg,
         typer.echo(f"QIR stages written to {dump_ir}")
     if kernels:
         _print_kernels(lowered.graph, batch, r.compile.keep_dir)
+    if accuracy:
+        _print_attribution(r, mut, q, lowered.graph, batch)
+
+
+def _print_attribution(r: Any, mut: Any, q: Any, graph: Any, batch: int) -> None:
+    from qcompile.accuracy.attribution import attribution
+    from qcompile.pipeline import evaluation_batches
+    from qcompile.reference.program import lower
+    from qcompile.report.attribution import text
+
+    x = evaluation_batches(r, mut, q)[0].inputs
+    if int(x[0].shape[0]) != batch:
+        graph = lower(q, int(x[0].shape[0])).graph
+    for line in text(attribution(graph, q, x)):
+        typer.echo(line)
 
 
 def _print_kernels(graph: Any, batch: int, keep_dir: str | None) -> None:

@@ -211,6 +211,7 @@ def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Ba
     if target == "reference":
         graph = compiled.runner.graph(int(batches[0].inputs[0].shape[0]))
         result["exactness"] = {"vs_pt2e": compare(graph, q.module, batches[0].inputs)}
+        result["attribution"] = _attribution(graph, q, batches[0].inputs)
     if target == "cpu":
         runner = compiled.runner
         small = min(runner.modules)
@@ -224,6 +225,17 @@ def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Ba
     if target == "ort":   # ONNX Runtime against the reference, every compiled batch size
         result["exactness"] = {"vs_reference": vs_reference(compiled.runner, batches[0].inputs)}
     return {**result, "compile_s": compile_s}
+
+
+def _attribution(graph: Any, q: QuantizedModel, x: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """Per-chain SQNR vs float and PT2E; a diagnostic, so a failure is reported, not raised."""
+    from qcompile.accuracy.attribution import attribution
+
+    try:
+        return attribution(graph, q, x)
+    except Exception as err:  # noqa: BLE001 - diagnostics never fail a run
+        log.warning("per-chain attribution failed: %s", err)
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def compile_options(recipe: Recipe, q: QuantizedModel) -> Any:

@@ -36,6 +36,9 @@ def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     atomic_write_text(json_path, json.dumps(report, indent=2, sort_keys=False, allow_nan=False)
                       + "\n")
     atomic_write_text(md_path, render_markdown(report))
+    from qcompile.report.attribution import write_plots
+
+    write_plots(report, out_dir)
     return json_path, md_path
 
 
@@ -59,6 +62,9 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines += _targets_table(r["targets"])
     lines += _checks_section(r)
     lines += _compiled_section(r["targets"])
+    from qcompile.report.attribution import markdown as attribution_markdown
+
+    lines += attribution_markdown(r["targets"])
     lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
               "", f"Timings (s): {r['timings_s']}", ""]
     return "\n".join(lines)
