@@ -114,6 +114,23 @@ def test_ort_model__runs_any_batch_in_pieces_and_checks_inputs():
         model(torch.zeros(1, 3, 10, 12))
 
 
+def test_transformer_aten_ops__cast_rsub_sum_and_shape_only_ops_match_the_reference():
+    """The aten ops the zoo's transformers leave as float_op (an attention mask's arithmetic)."""
+    mask = node(Op.INPUT, DType.I64, (2, 5), name="mask")
+    f = node(Op.FLOAT_OP, DType.F32, (2, 5), mask, target="aten._to_copy.default",
+             args=(("%", 0),), kwargs=(("dtype", ("torch", "float32")),))
+    inv = node(Op.FLOAT_OP, DType.F32, (2, 5), f, target="aten.rsub.Scalar",
+               args=(("%", 0), 1.0, 2.0), kwargs=())
+    total = node(Op.FLOAT_OP, DType.F32, (2,), inv, target="aten.sum.dim_IntList",
+                 args=(("%", 0), (-1,), False), kwargs=())
+    zeros = node(Op.FLOAT_OP, DType.F32, (2, 5), inv, target="aten.ones_like.default",
+                 args=(("%", 0),), kwargs=())
+    g = Graph("mask", (mask,), (total, node(Op.ADD, DType.F32, (2, 5), inv, zeros)))
+    x = np.array([[1, 1, 1, 0, 0], [1, 0, 1, 1, 1]], np.int64)
+    for got, want in zip(_run_onnx(g, x), interpreter.run(g, x), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_export__op_without_lowering_is_an_error_naming_it():
     x = node(Op.INPUT, DType.F32, (2, 3), name="x")
     y = node(Op.FLOAT_OP, DType.F32, (2, 3), x, target="aten.erfinv.default", args=(("%", 0),),

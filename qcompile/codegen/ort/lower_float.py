@@ -102,3 +102,34 @@ def _layer_norm(ex: Exporter, n: Node, v: list[str]) -> str:
 def _embedding(ex: Exporter, n: Node, v: list[str]) -> str:
     ids = v[1] if n.src[1].dtype.value == "i64" else ex.op("Cast", [v[1]], to=7)
     return ex.op("Gather", [v[0], ids], axis=0)
+
+
+# -- aten ops with no QIR op (FLOAT_OP): the few the zoo's transformers export (as on cpu) -----
+
+_SHAPE_ONLY = frozenset({"aten.zeros_like.default", "aten.ones_like.default",
+                         "aten.full_like.default", "aten.arange.default", "aten.arange.start",
+                         "aten.zeros.default", "aten.ones.default", "aten.full.default"})
+
+
+@lowers(Op.FLOAT_OP)
+def _float_op(ex: Exporter, n: Node, v: list[str]) -> str:
+    from qcompile.codegen.ort.export import _unsupported
+    from qcompile.reference.interpreter import execute
+
+    target, args = n.attrs.target, n.attrs.args
+    if target in _SHAPE_ONLY:   # depends on shapes only: a constant
+        dummies = [np.zeros(s.shape, dtype=s.dtype.np) for s in n.src]
+        return ex.const(np.asarray(execute(n, dummies)).astype(n.dtype.np))
+    if target in ("aten.to.dtype", "aten._to_copy.default") and v:
+        return v[0] if n.src[0].dtype is n.dtype else ex.cast(v[0], n.dtype)
+    if target == "aten.rsub.Scalar" and v and len(args) >= 2:
+        alpha = float(args[2]) if len(args) > 2 else 1.0
+        x = v[0] if n.src[0].dtype is n.dtype else ex.cast(v[0], n.dtype)
+        scaled = ex.op("Mul", [x, ex.const(alpha, n.dtype.np)])
+        return ex.op("Sub", [ex.const(float(args[1]), n.dtype.np), scaled])
+    if target == "aten.sum.dim_IntList" and v and len(args) >= 2:
+        keep = bool(args[2]) if len(args) > 2 else False
+        x = v[0] if n.src[0].dtype is n.dtype else ex.cast(v[0], n.dtype)
+        dims = [d % len(n.src[0].shape) for d in args[1]]
+        return ex.op("ReduceSum", [x, ex.const(dims, np.int64)], keepdims=int(keep))
+    raise _unsupported(n)
