@@ -1,30 +1,81 @@
 """``report.json`` (machine-readable, stable keys from DESIGN.md) and ``report.md`` (for people).
 
-Both are written atomically: a temp file in the same folder, then ``os.replace``, so an
-interrupted run never leaves a half-written report.
+Files are written atomically: each to a temp file beside it (created with the usual umask
+permissions, not ``mkstemp``'s 0600), flushed and synced, then renamed over the target. SIGINT and
+SIGTERM arriving meanwhile are held until the renames are done and then delivered, so an
+interrupted run leaves the old files or the complete new ones (``report.json`` and ``report.md``
+as a pair), and never a temp file.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write_many({path: data})
+
+
+def atomic_write_many(files: dict[Path, bytes]) -> None:
+    """Write every file, then rename them all in order (see the module docstring)."""
+    temps: list[Path] = []
+    with _signals_held():
+        try:
+            for path, data in files.items():
+                temps.append(_write_temp(Path(path), data))
+            for path, tmp in zip(files, temps, strict=True):
+                os.replace(tmp, path)
+        except BaseException:
+            for tmp in temps:
+                tmp.unlink(missing_ok=True)
+            raise
+
+
+def _write_temp(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:   # mode 0o666 & ~umask, like any new file
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    return tmp
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Defer SIGINT/SIGTERM (main thread only: Python installs handlers there) and deliver them
+    once the block is done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = {s: signal.signal(s, lambda n, _f: caught.append(n))
+           for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -33,9 +84,10 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"
-    atomic_write_text(json_path, json.dumps(report, indent=2, sort_keys=False, allow_nan=False)
-                      + "\n")
-    atomic_write_text(md_path, render_markdown(report))
+    text = json.dumps(report, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    # both rendered before either is written; report.json, what tools read, renamed last
+    atomic_write_many({md_path: render_markdown(report).encode("utf-8"),
+                       json_path: text.encode("utf-8")})
     from qcompile.report.attribution import write_plots
 
     write_plots(report, out_dir)

@@ -32,3 +32,37 @@ def quantized_block() -> QuantizedModel:
     torch.manual_seed(0)
     batches = [(block_inputs(4, seed),) for seed in range(3)]
     return quantize(Block().eval(), batches[0], batches, QuantizeConfig(quantizer="qcompile"))
+
+
+class SoftmaxIsland(nn.Module):
+    """conv → softmax over the last axis → conv: softmax has no int8 lowering, so it stays a
+    float op between two int8 chains (a fallback, or an error under ``float_ops: error``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.softmax(self.a(x), dim=-1))
+
+
+def softmax_island() -> nn.Module:
+    torch.manual_seed(0)
+    return SoftmaxIsland().eval()
+
+
+def block() -> nn.Module:
+    """:class:`Block` as a recipe ``entry`` (``robustness_models:block``)."""
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+def block_recipe(extra: str = "", *, targets: str = "[cpu]") -> str:
+    """A recipe for :func:`block`: random calibration data, a couple of batches, fast."""
+    return ("version: 1\nname: block\n"
+            "model: {entry: 'robustness_models:block', input_shapes: [[2, 3, 8, 8]]}\n"
+            "quantizer: {kind: qcompile}\n"
+            "calibration: {dataset: random, batches: 2, batch_size: 4}\n"
+            "evaluation: {dataset: random, batches: 1, batch_size: 4}\n"
+            f"targets: {targets}\n" + extra)
