@@ -130,7 +130,11 @@ def inspect(recipe: RecipeArg,
             ] = False,
             accuracy: Annotated[bool, typer.Option(
                 "--accuracy", help="also show each fused chain's SQNR vs float and vs PT2E on "
-                                   "the first evaluation batch")] = False) -> None:
+                                   "the first evaluation batch")] = False,
+            why_not_faster: Annotated[bool, typer.Option(
+                "--why-not-faster", help="also show what keeps the graph from int8 speed: "
+                                         "float MACs, float islands, dq/q left, chain lengths, "
+                                         "bytes moved")] = False) -> None:
     """Quantize, run the pass pipeline, show fused chains, int8 residency and float ops."""
     _setup_logging()
     from qcompile.frontend.quantize import QuantizeConfig, quantize
@@ -160,6 +164,11 @@ def inspect(recipe: RecipeArg,
         _print_kernels(lowered.graph, batch, r.compile.keep_dir)
     if accuracy:
         _print_attribution(r, mut, q, lowered.graph, batch)
+    if why_not_faster:
+        from qcompile.passes import why_not_faster as wnf
+
+        for line in wnf.text(wnf.why_not_faster(lowered.graph)):
+            typer.echo(line)
 
 
 def _print_attribution(r: Any, mut: Any, q: Any, graph: Any, batch: int) -> None:
