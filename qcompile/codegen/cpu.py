@@ -32,11 +32,12 @@ class BatchModule:
     workaround: str | None
     graph: Graph | None = None        # None when loaded from an artifact
     mlir: str | None = None
+    driver: str = "local-task"        # IREE runtime driver (hip, vulkan for the GPU targets)
     _module: iree_cpu.Module | None = field(default=None, repr=False)
 
     def module(self) -> iree_cpu.Module:
         if self._module is None:
-            self._module = iree_cpu.Module(self.vmfb)
+            self._module = iree_cpu.Module(self.vmfb, self.driver)
         return self._module
 
 

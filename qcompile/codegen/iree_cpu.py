@@ -97,10 +97,10 @@ class Module:
     """A loaded vmfb: ``main`` called with numpy arrays. Calls are serialised (one IREE context
     per module; its task system already uses every core)."""
 
-    def __init__(self, vmfb: bytes) -> None:
+    def __init__(self, vmfb: bytes, driver: str = "local-task") -> None:
         import iree.runtime as rt
 
-        self._config = rt.Config("local-task")
+        self._config = rt.Config(driver)
         try:
             vm = rt.VmModule.copy_buffer(self._config.vm_instance, vmfb)
         except (RuntimeError, ValueError) as err:

@@ -83,10 +83,34 @@ def _cuda(q: QuantizedModel, options: Any = None) -> CompiledModel:
     return compile_cuda(q, options)
 
 
-_PLANNED = {
-    "rocm": "IREE code generation for AMD GPUs is not part of this qcompile build",
-    "vulkan": "IREE code generation for Vulkan is not part of this qcompile build",
-}
+def _gpu_probe(device: str) -> Callable[[], str | None]:
+    def probe() -> str | None:
+        from qcompile.codegen.iree_gpu import device_present
+
+        why = device_present(device)
+        return None if why is None else (
+            f"{why}; the artifacts still compile here (qcompile.codegen.iree_gpu.compile_gpu, "
+            f"checked in CI for int8 instructions)")
+    return probe
+
+
+@register("rocm", probe=_gpu_probe("rocm"))
+def _rocm(q: QuantizedModel, options: Any = None) -> CompiledModel:
+    """QIR → MLIR → IREE HIP for AMD GPUs (gfx942: int8 MFMA)."""
+    from qcompile.codegen.iree_gpu import compile_gpu_target
+
+    return compile_gpu_target(q, "rocm", options)
+
+
+@register("vulkan", probe=_gpu_probe("vulkan"))
+def _vulkan(q: QuantizedModel, options: Any = None) -> CompiledModel:
+    """QIR → MLIR → IREE Vulkan SPIR-V (integer dot product)."""
+    from qcompile.codegen.iree_gpu import compile_gpu_target
+
+    return compile_gpu_target(q, "vulkan", options)
+
+
+_PLANNED: dict[str, str] = {}
 
 
 def unavailable_reason(target: str) -> str | None:
