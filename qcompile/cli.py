@@ -299,6 +299,38 @@ def exec_cmd(artifact: Annotated[Path, typer.Argument(help="a .qca artifact")],
     typer.echo(f"wrote {output} ({', '.join(f'{list(o.shape)}' for o in outs)})")
 
 
+@app.command("fallback")
+@_user_errors
+def fallback_cmd(recipe: RecipeArg, out: OutOpt = None,
+                 max_float: Annotated[int, typer.Option(
+                     help="most modules to keep in float")] = 3,
+                 measure_on: Annotated[str, typer.Option(
+                     help="target to measure both models' latency on (cpu, ort), or none")
+                 ] = "cpu") -> None:
+    """Keep the fewest, cheapest fused chains in float until the recipe's accuracy thresholds
+    hold (fusion-aware); writes fallback.json and exits 1 if the thresholds still fail."""
+    _setup_logging()
+    import json
+
+    from qcompile.fallback import search, text
+    from qcompile.recipe import load_recipe
+    from qcompile.report.writer import atomic_write_text
+
+    r = load_recipe(recipe)
+    report = search(r, max_float=max_float,
+                    measure_on=None if measure_on == "none" else measure_on)
+    path = (out or Path("out") / r.name) / "fallback.json"
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
+    for line in text(report):
+        typer.echo(line)
+    typer.echo(f"wrote {path}")
+    if not report["passed"]:
+        raise AccuracyError("the fallback search did not meet the thresholds", at=str(recipe),
+                            why=f"kept {report['kept_in_float']} in float; still failing: "
+                                f"{report['after']['failed']}",
+                            next="raise --max-float, or relax the recipe's thresholds")
+
+
 @app.command("models")
 def models() -> None:
     """List the zoo models."""
