@@ -109,7 +109,9 @@ def export(graph: Graph) -> onnx.ModelProto:
         name = f"output_{i}"
         ex.nodes.append(helper.make_node("Identity", [names[id(o)]], [name]))
         outputs.append(helper.make_tensor_value_info(name, ONNX_DTYPE[o.dtype], list(o.shape)))
-    g = helper.make_graph(ex.nodes, graph.name, inputs, outputs, ex.inits)
+    used = {name for n in ex.nodes for name in n.input}
+    inits = [t for t in ex.inits if t.name in used]   # weights re-laid by their lowering
+    g = helper.make_graph(ex.nodes, graph.name, inputs, outputs, inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="qcompile")
     model.ir_version = 8
