@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import TinyCNN
 from test_reference import Chain
+from tiny_models import TinyCNN
 from typer.testing import CliRunner
 
 from qcompile.accuracy.attribution import attribution

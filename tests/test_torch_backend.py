@@ -69,7 +69,7 @@ class Postprocessed(nn.Module):
 
 
 def _tiny(config: QuantizeConfig):
-    from conftest import TinyCNN
+    from tiny_models import TinyCNN
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
