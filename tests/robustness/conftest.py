@@ -52,6 +52,12 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
     _deselected.extend(i.nodeid for i in items if _ours(i) and not i.get_closest_marker("slow"))
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and hasattr(report, "wasxfail") and \
+            Path(report.location[0]).parent.name == HERE.name:
+        tally.case("known gaps (strict xfail)", report.nodeid.split("::")[-1])
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     _seen_files.update(Path(str(i.fspath)).name for i in session.items if _ours(i))
 
@@ -73,13 +79,14 @@ def _lines() -> tuple[list[str], bool]:
         lines.append(f"{category}: {n} (minimum {minimum})")
     for category in sorted(set(tally.cases) - set(tally.MINIMUMS)):
         lines.append(f"{category}: {len(tally.cases[category])}")
+    lines += [f"{what}: {n}" for what, n in sorted(tally.totals.items())]
     lines.append(f"unexpected exception types: {len(tally.unexpected)}")
     lines += [f"  {u}" for u in tally.unexpected[:20]]
     return lines, short or bool(tally.unexpected)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
-    if not (tally.examples or tally.cases or tally.unexpected):
+    if not (tally.examples or tally.cases or tally.unexpected or tally.totals):
         return
     lines, bad = _lines()
     terminalreporter.section("qcompile robustness counts")

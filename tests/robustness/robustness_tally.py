@@ -15,6 +15,7 @@ MIN_EXAMPLES = 200
 examples: Counter[str] = Counter()                 # hypothesis property -> examples run
 cases: defaultdict[str, set[str]] = defaultdict(set)  # category -> distinct case ids
 unexpected: list[str] = []                         # "ExceptionType in <where>"
+totals: Counter[str] = Counter()                   # anything else worth a number
 
 
 def example(prop: str) -> None:
@@ -23,6 +24,10 @@ def example(prop: str) -> None:
 
 def case(category: str, case_id: str) -> None:
     cases[category].add(case_id)
+
+
+def count(what: str, n: int = 1) -> None:
+    totals[what] += n
 
 
 def record_unexpected(err: BaseException, where: str) -> None:

@@ -34,9 +34,9 @@ def instantiated(monkeypatch) -> list[int]:
     made: list[int] = []
     real = iree_cpu.Module.__init__
 
-    def spy(self, vmfb):  # type: ignore[no-untyped-def]
+    def spy(self, vmfb, *args, **kwargs):  # type: ignore[no-untyped-def]
         made.append(len(vmfb))
-        real(self, vmfb)
+        real(self, vmfb, *args, **kwargs)
 
     monkeypatch.setattr(iree_cpu.Module, "__init__", spy)
     return made

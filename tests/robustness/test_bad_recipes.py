@@ -85,6 +85,8 @@ BAD = [
     ("two-documents", BASE + "---\n" + BASE, "not valid YAML"),
     ("huge-int", BASE.replace("version: 1", "version: " + "9" * 5000), "no recipe can hold"),
     ("deep-nesting", BASE + "description: " + "[" * 500 + "]" * 500 + "\n", "nests too deeply"),
+    ("deep-nesting-20000", BASE + "description: " + "{a: " * 20_000 + "1" + "}" * 20_000 + "\n",
+     "nests too deeply"),
     ("alias-bomb", "a: &a [x, x, x, x, x, x, x, x]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 8)}]\n"
         for i in range(8)) + BASE + "description: *i\n", ": "),

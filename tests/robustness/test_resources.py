@@ -1,0 +1,140 @@
+"""Resources: calibration streams (memory bounded however many batches), observers keep a fixed
+state, and (slow) the peak memory of compiling resnet50 and minilm for cpu stays under 4 GiB."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import robustness_tally as tally
+import torch
+from robustness_models import Block, block_inputs
+
+import qcompile
+from calibration.methods import METHODS, observer_ctr
+
+ROOT = Path(__file__).parents[2]
+
+
+def _live(refs: list[weakref.ref]) -> int:
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+def test_quantize_consumes_calibration_as_a_stream():
+    """At most two batches are alive while ``quantize`` calibrates (the one it runs and the one
+    the generator just made): memory does not grow with the number of batches."""
+    refs: list[weakref.ref] = []
+    most = 0
+
+    def batches(n: int):  # type: ignore[no-untyped-def]
+        nonlocal most
+        for i in range(n):
+            x = block_inputs(4, seed=i)
+            refs.append(weakref.ref(x))
+            most = max(most, _live(refs))
+            yield (x,)
+
+    torch.manual_seed(0)
+    qcompile.quantize(Block().eval(), (block_inputs(4),), batches(12))
+    assert len(refs) == 12 and most <= 2, most
+    tally.count("calibration batches streamed", len(refs))
+
+
+def _state_numel(observer: torch.nn.Module) -> int:
+    tensors = [*observer.buffers(), *(v for v in vars(observer).values()
+                                      if isinstance(v, torch.Tensor))]
+    return sum(t.numel() for t in tensors)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_observer_state_is_fixed_however_many_batches(method):
+    observer = observer_ctr(method)()
+    g = torch.Generator().manual_seed(0)
+    observer(torch.randn(8, 64, generator=g))
+    after_one = _state_numel(observer)
+    for i in range(50):
+        observer(torch.randn(8, 64, generator=g) * (1 + i))   # the range keeps widening
+    assert _state_numel(observer) == after_one
+    observer.calculate_qparams()
+
+
+def _rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.parametrize("method", ["histogram", "percentile"])
+def test_observing_100_mib_of_activations_keeps_memory_flat(method):
+    observer = observer_ctr(method)()
+    g = torch.Generator().manual_seed(0)
+    x = torch.empty(1 << 20)
+    observer(x.normal_(generator=g))
+    before = _rss_mib()
+    for i in range(25):                                  # 25 x 4 MiB
+        observer(x.normal_(generator=g).mul_(1 + i % 7))
+    assert _rss_mib() - before < 32
+
+
+@pytest.mark.xfail(strict=True, reason="qcompile.pipeline.calibration_batches returns a list: "
+                   "run/compile/inspect hold every calibration batch in memory for the whole "
+                   "run (recipes allow 100000 batches); the fix belongs in pipeline.py (yield "
+                   "them, count them while calibrating)")
+def test_recipe_calibration_batches_stream():
+    from qcompile.pipeline import build_model, calibration_batches
+    from qcompile.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"version": 1, "name": "s", "model": {"zoo": "mlp"},
+                               "calibration": {"dataset": "random", "batches": 16,
+                                               "batch_size": 2}})
+    refs: list[weakref.ref] = []
+    most = 0
+    for batch in calibration_batches(recipe, build_model(recipe)):
+        refs.append(weakref.ref(batch.inputs[0]))
+        del batch
+        most = max(most, _live(refs))   # while iterating, as quantize does
+    assert len(refs) == 16 and most <= 2, most
+
+
+# ---------------------------------------------------------------------- peak memory (slow)
+MEASURE = """
+import json, resource, sys, time
+from qcompile.cli import main
+t0 = time.perf_counter()
+try:
+    sys.argv = ["qcompile", *sys.argv[1:]]
+    main()
+except SystemExit as e:
+    code = e.code
+self_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+child_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print("PEAK " + json.dumps({"code": code, "python_mib": self_kib / 1024,
+                            "iree_compile_mib": child_kib / 1024,
+                            "seconds": time.perf_counter() - t0}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("name", ["resnet50", "minilm"])
+def test_peak_memory_of_compiling_for_cpu_is_under_4_gib(name, tmp_path):
+    """``qcompile compile recipes/<name>.yaml`` (the recipe's batch sizes): the python process's
+    peak RSS, the largest iree-compile's, and their sum (an upper bound: they overlap)."""
+    out = tmp_path / f"{name}.qca"
+    proc = subprocess.run([sys.executable, "-c", MEASURE, "compile",
+                           str(ROOT / "recipes" / f"{name}.yaml"), "-o", str(out), "-q"],
+                          capture_output=True, text=True, timeout=3600, check=False)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("PEAK ")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    peak = json.loads(line[5:])
+    assert peak["code"] in (0, None), proc.stdout[-3000:] + proc.stderr[-3000:]
+    total = peak["python_mib"] + peak["iree_compile_mib"]
+    print(f"\n{name}: peak RSS python {peak['python_mib']:.0f} MiB, iree-compile "
+          f"{peak['iree_compile_mib']:.0f} MiB, sum {total:.0f} MiB, "
+          f"{peak['seconds']:.0f} s, artifact {out.stat().st_size / 2**20:.1f} MiB")
+    assert total < 4096
