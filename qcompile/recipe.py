@@ -253,8 +253,8 @@ class Recipe(_Strict):
     @classmethod
     def _supported_version(cls, version: int) -> int:
         if version != RECIPE_VERSION:
-            raise ValueError(f"unsupported recipe version {version}; this qcompile reads version "
-                             f"{RECIPE_VERSION}")
+            raise ValueError(f"unsupported recipe version {_shown(version)}; this qcompile reads "
+                             f"version {RECIPE_VERSION}")
         return version
 
     @field_validator("evaluation")
@@ -292,8 +292,8 @@ def _shown(value: Any, limit: int = 80) -> str:
     (a YAML "billion laughs") or an int beyond Python's str conversion limit."""
     try:
         text = _REPR.repr(value)
-    except ValueError:
-        text = f"<an integer of {value.bit_length()} bits>"
+    except ValueError:   # only ints past the conversion limit make repr raise
+        text = f"<a {type(value).__name__} holding an integer too long to print>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

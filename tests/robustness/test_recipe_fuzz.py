@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from qcompile.errors import RecipeError
-from qcompile.recipe import Recipe, load_recipe
+from qcompile.recipe import Recipe, load_recipe, recipe_from_dict
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 SHIPPED = {p.stem: yaml.safe_load(p.read_text(encoding="utf-8")) for p in RECIPES}
@@ -251,3 +251,35 @@ def test_huge_numbers__refused(folder, digits, key, kind):
     if "model" in key:
         text = text.replace("model: {max_batch", "model: {zoo: digits_cnn, max_batch")
     load_checked(_write(folder, text), f"huge number at {key}")
+
+
+python_values = st.recursive(
+    st.one_of(scalars, st.builds(pow, st.sampled_from([10, -10]), st.integers(4300, 6000)),
+              st.binary(max_size=8),
+              st.frozensets(st.integers(), max_size=3), st.just(object()), st.just(...)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner, inner),
+                            st.dictionaries(st.one_of(st.sampled_from(KEYS), st.integers(),
+                                                      st.none()), inner, max_size=3)),
+    max_leaves=10)
+
+
+@tally.fuzz_settings()
+@given(m=mutated_recipe(), value=python_values)
+def test_python_api__recipe_from_dict_takes_any_object(m, value):
+    """``recipe_from_dict`` gets data from Python, not YAML: ints past the str conversion
+    limit, bytes, sets, arbitrary objects, self-references."""
+    data, path, _, _ = m
+    tally.example("recipe: Python objects through recipe_from_dict")
+    node: Any = data
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    if isinstance(value, list) and value:
+        value.append(value)                     # a self-referencing list
+    try:
+        recipe_from_dict(data, path="api.yaml")
+    except RecipeError as err:
+        assert err.at is not None and err.at.startswith("api.yaml") and len(str(err)) < 3000
+    except Exception as err:
+        tally.record_unexpected(err, "recipe_from_dict")
+        raise
