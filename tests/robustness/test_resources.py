@@ -103,18 +103,53 @@ def test_recipe_calibration_batches_stream():
 
 # ---------------------------------------------------------------------- peak memory (slow)
 MEASURE = """
-import json, resource, sys, time
+import json, os, sys, threading, time
+from pathlib import Path
+
+def kib(pid, key):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1])
+    return 0
+
+def children():
+    me, out = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if int(text[text.rindex(")") + 2:].split()[1]) == me:
+            out.append(int(stat.parent.name))
+    return out
+
+peak = {"tree": 0, "iree": 0}
+done = threading.Event()
+
+def sample():   # VmHWM of each child before it exits; the tree's summed VmRSS
+    while not done.wait(0.1):
+        total = kib(os.getpid(), "VmRSS")
+        for pid in children():
+            try:
+                total += kib(pid, "VmRSS")
+                peak["iree"] = max(peak["iree"], kib(pid, "VmHWM"))
+            except OSError:
+                pass
+        peak["tree"] = max(peak["tree"], total)
+
+threading.Thread(target=sample, daemon=True).start()
 from qcompile.cli import main
 t0 = time.perf_counter()
+code = 0
 try:
     sys.argv = ["qcompile", *sys.argv[1:]]
     main()
 except SystemExit as e:
     code = e.code
-self_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-child_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-print("PEAK " + json.dumps({"code": code, "python_mib": self_kib / 1024,
-                            "iree_compile_mib": child_kib / 1024,
+done.set()
+print("PEAK " + json.dumps({"code": code, "python_mib": kib(os.getpid(), "VmHWM") / 1024,
+                            "iree_compile_mib": peak["iree"] / 1024,
+                            "tree_mib": peak["tree"] / 1024,
                             "seconds": time.perf_counter() - t0}))
 """
 
@@ -124,7 +159,9 @@ print("PEAK " + json.dumps({"code": code, "python_mib": self_kib / 1024,
 @pytest.mark.parametrize("name", ["resnet50", "minilm"])
 def test_peak_memory_of_compiling_for_cpu_is_under_4_gib(name, tmp_path):
     """``qcompile compile recipes/<name>.yaml`` (the recipe's batch sizes): the python process's
-    peak RSS, the largest iree-compile's, and their sum (an upper bound: they overlap)."""
+    peak RSS (VmHWM), the largest iree-compile's, and the peak of their sum sampled every 0.1 s
+    (the figure held under 4 GiB). ``ru_maxrss`` of children is useless here: a vfork'ed child
+    inherits the parent's high-water mark at exec."""
     out = tmp_path / f"{name}.qca"
     proc = subprocess.run([sys.executable, "-c", MEASURE, "compile",
                            str(ROOT / "recipes" / f"{name}.yaml"), "-o", str(out), "-q"],
@@ -133,8 +170,7 @@ def test_peak_memory_of_compiling_for_cpu_is_under_4_gib(name, tmp_path):
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
     peak = json.loads(line[5:])
     assert peak["code"] in (0, None), proc.stdout[-3000:] + proc.stderr[-3000:]
-    total = peak["python_mib"] + peak["iree_compile_mib"]
-    print(f"\n{name}: peak RSS python {peak['python_mib']:.0f} MiB, iree-compile "
-          f"{peak['iree_compile_mib']:.0f} MiB, sum {total:.0f} MiB, "
+    print(f"\n{name}: peak RSS python {peak['python_mib']:.0f} MiB, largest iree-compile "
+          f"{peak['iree_compile_mib']:.0f} MiB, process tree {peak['tree_mib']:.0f} MiB, "
           f"{peak['seconds']:.0f} s, artifact {out.stat().st_size / 2**20:.1f} MiB")
-    assert total < 4096
+    assert max(peak["tree_mib"], peak["python_mib"]) < 4096
