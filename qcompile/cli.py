@@ -58,8 +58,9 @@ def _run(recipe_path: Path, target: list[str] | None, out: Path | None,
             raise RecipeError(f"unknown target {t!r}", at="--target",
                               why=f"valid targets: {', '.join(TARGETS)}",
                               next="pass one of the valid targets")
-    report = run_recipe(recipe, targets=target, progress=not quiet and sys.stderr.isatty())
     out_dir = out or Path("out") / recipe.name
+    report = run_recipe(recipe, targets=target, progress=not quiet and sys.stderr.isatty(),
+                        out_dir=out_dir)
     json_path, md_path = write_outputs(report, out_dir)
     _print_summary(report)
     typer.echo(f"wrote {json_path} and {md_path}")
@@ -95,9 +96,13 @@ def _print_summary(report: dict[str, Any]) -> None:
 @_user_errors
 def run(recipe: RecipeArg, target: TargetOpt = None, out: OutOpt = None,
         quiet: QuietOpt = False) -> None:
-    """Quantize → compile → check accuracy → write report.json and report.md."""
+    """Quantize → compile → check accuracy → write report.json and report.md. Exits 1 when no
+    requested target ran (the report still says why each did not)."""
     _setup_logging()
-    _run(recipe, target, out, quiet)
+    report = _run(recipe, target, out, quiet)
+    if not any(t["status"] == "ok" for t in report["targets"].values()):
+        typer.echo("qcompile: no requested target ran (see report.json: targets)", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -173,9 +173,11 @@ def _accuracy_dict(c: Comparison, checks: list[Any]) -> dict[str, Any]:
             "checks": checks_as_dicts(checks), "passed": all(ch.passed for ch in checks)}
 
 
-def run_recipe(recipe: Recipe, *, targets: list[str] | None = None,
-               progress: bool = False) -> dict[str, Any]:
-    """Quantize, run every target, measure accuracy; returns the report (see DESIGN.md keys)."""
+def run_recipe(recipe: Recipe, *, targets: list[str] | None = None, progress: bool = False,
+               out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Quantize, run every target, measure accuracy; returns the report (see DESIGN.md keys).
+    A failed compile leaves its IR in ``compile.keep_dir``, else in ``out_dir`` (the run's
+    output folder), else in the current folder."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     mut = build_model(recipe)
@@ -187,20 +189,22 @@ def run_recipe(recipe: Recipe, *, targets: list[str] | None = None,
     timings["quantize_s"] = time.perf_counter() - t0
     batches = evaluation_batches(recipe, mut, q)
     float_out = run_batches(mut.module, batches, "evaluate float", progress)
-    per_target = {t: _run_target(recipe, q, t, batches, float_out, mut.task, progress)
+    options = compile_options(recipe, q, out_dir)
+    per_target = {t: _run_target(recipe, q, t, batches, float_out, mut.task, progress, options)
                   for t in (targets or recipe.targets)}
     return _report(recipe, mut, q, calib, batches, per_target, timings)
 
 
 def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Batch],
-                float_out: np.ndarray, task: str, progress: bool) -> dict[str, Any]:
+                float_out: np.ndarray, task: str, progress: bool, options: Any
+                ) -> dict[str, Any]:
     reason = target_registry.unavailable_reason(target)
     if reason is not None:
         log.warning("target %s skipped: %s", target, reason)
         return {"status": "unavailable", "reason": reason}
     t0 = time.perf_counter()
     try:
-        compiled = target_registry.compile_quantized(q, target, compile_options(recipe, q))
+        compiled = target_registry.compile_quantized(q, target, options)
     except QCompileError as err:
         log.warning("target %s failed: %s", target, err)
         return {"status": "failed", "reason": str(err)}
@@ -238,13 +242,15 @@ def _attribution(graph: Any, q: QuantizedModel, x: tuple[torch.Tensor, ...]) -> 
         return {"error": f"{type(err).__name__}: {err}"}
 
 
-def compile_options(recipe: Recipe, q: QuantizedModel) -> Any:
+def compile_options(recipe: Recipe, q: QuantizedModel,
+                    out_dir: str | Path | None = None) -> Any:
     """The recipe's ``compile`` section as target options."""
     from qcompile.codegen.target import CompileOptions
 
     c = recipe.compile
     sizes = c.batch_sizes or [1, recipe.evaluation.batch_size, *recipe.benchmark.batch_sizes]
-    return CompileOptions(batch_sizes=tuple(sizes), float_ops=c.float_ops, keep_dir=c.keep_dir)
+    keep = c.keep_dir or (str(out_dir) if out_dir is not None else None)
+    return CompileOptions(batch_sizes=tuple(sizes), float_ops=c.float_ops, keep_dir=keep)
 
 
 def cpu_latency(compiled: CompiledModel, q: QuantizedModel, x: tuple[torch.Tensor, ...]

@@ -341,6 +341,7 @@ def test_cli_run_target_cuda__no_gpu_message_without_traceback(tmp_path, monkeyp
     if unavailable_reason() is None:
         assert cuda["status"] == "ok" and cuda["kernels"]["host_ops"] == []
     else:
-        assert result.exit_code == 0, result.output
+        assert result.exit_code == 1, result.output       # no requested target ran
+        assert "no requested target ran" in result.output
         assert cuda["status"] == "unavailable" and "TRITON_INTERPRET=1" in cuda["reason"]
         assert "cuda       unavailable: " in result.output

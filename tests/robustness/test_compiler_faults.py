@@ -95,17 +95,11 @@ def test_iree_failure__the_printed_command_reproduces_it_and_the_mlir_is_whole(f
     tally.case("compiler-fault cases", "reproduce-command")
 
 
-@pytest.mark.xfail(strict=True, reason="qcompile run exits 0 when every requested target "
-                   "failed (the failure is only in report.json); the fix belongs in cli.py "
-                   "(run: exit non-zero when no requested target ran)")
 def test_iree_failure__run_exits_non_zero(failed_run):
     _, result = failed_run
     assert result.exit_code != 0
 
 
-@pytest.mark.xfail(strict=True, reason="without compile.keep_dir the MLIR goes to the current "
-                   "folder, not the run's --out folder; the fix belongs in pipeline.py "
-                   "(compile_options: default keep_dir to the output folder)")
 def test_iree_failure__mlir_lands_in_the_output_folder_by_default(tmp_path, broken_iree,
                                                                   monkeypatch):
     monkeypatch.chdir(tmp_path)
