@@ -291,11 +291,19 @@ def exec_cmd(artifact: Annotated[Path, typer.Argument(help="a .qca artifact")],
     model = qcompile.load(artifact)
     arrays = []
     for p in inputs:
-        try:
-            arrays.append(np.load(p, allow_pickle=False))
-        except (OSError, ValueError) as err:
-            raise InputError(f"cannot read input {p}", at=str(p), why=str(err),
-                             next="pass .npy files written by numpy.save") from None
+        why = None
+        try:   # memory-mapped: a header declaring a huge shape costs nothing until checked
+            a = np.load(p, allow_pickle=False, mmap_mode="r")
+        except (OSError, ValueError, EOFError) as err:
+            a, why = None, str(err)
+        if why is None and not isinstance(a, np.ndarray):
+            why = "the file holds several arrays (an .npz); exec reads one .npy per input"
+        elif why is None and not a.dtype.isnative:
+            why = f"the array's byte order is not this machine's ({a.dtype.str})"
+        if why is not None:
+            raise InputError(f"cannot read input {p}", at=str(p), why=why,
+                             next="pass one .npy file per input, written by numpy.save")
+        arrays.append(np.array(a))
     out = model(*[torch.from_numpy(a) for a in arrays])
     outs = out if isinstance(out, tuple) else (out,)
     buf = io.BytesIO()

@@ -196,16 +196,9 @@ def _saved(folder: Path, x: np.ndarray) -> Path:
     return folder / "_ok.npy"
 
 
-EXEC_XFAIL = {   # strict: what qcompile exec gets wrong today (the fix belongs in cli.py)
-    "an-npz": "np.load returns an NpzFile for .npz input; exec passes it to torch.from_numpy "
-              "(TypeError traceback)",
-    "big-endian": "torch.from_numpy refuses non-native byte order (ValueError traceback); "
-                  "exec should convert or refuse with InputError",
-    "huge-declared-shape": "np.load allocates the shape the header declares (MemoryError "
-                           "traceback for 3e12 floats); exec should check the header first",
-}
+EXEC_XFAIL: dict[str, str] = {}   # strict: what qcompile exec would still get wrong
 EXEC_CASES = ["float64", "pickled-objects", "truncated", "not-numpy", "wrong-shape",
-              "empty-batch", "nan", "missing", *EXEC_XFAIL]
+              "empty-batch", "nan", "missing", "an-npz", "big-endian", "huge-declared-shape"]
 
 
 @pytest.mark.parametrize("case_id", EXEC_CASES)
