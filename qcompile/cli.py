@@ -353,8 +353,25 @@ def models() -> None:
         typer.echo(name)
 
 
+class _Terminated(BaseException):
+    """SIGTERM as an exception: what is running unwinds (a running iree-compile is killed by
+    ``subprocess.run``, temp folders are removed) before the process ends by the signal."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def main() -> None:
-    app()
+    import os
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        app()
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

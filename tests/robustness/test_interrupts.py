@@ -171,10 +171,6 @@ def test_sigint_compile__iree_compile_stopped_and_temp_dirs_removed(interrupted)
     assert r["orphans"] == [] and r["tmp"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="SIGTERM kills the python process outright (no handler "
-                   "turns it into an exception), so iree-compile keeps running as an orphan and "
-                   "its qcompile-* temp dir stays in TMPDIR; the fix belongs in cli.main "
-                   "(SIGTERM -> SystemExit) or codegen/iree_cpu.py")
 def test_sigterm_compile__iree_compile_stopped_and_temp_dirs_removed(interrupted):
     r = interrupted["compile-sigterm"]
     assert r["orphans"] == [] and r["tmp"] == []
