@@ -17,6 +17,7 @@ import onnx
 import torch
 
 from qcompile.codegen.ort.export import export
+from qcompile.codegen.target import batch_sizes
 from qcompile.frontend.quantize import QuantizedModel
 from qcompile.ir.graph import Graph
 from qcompile.passes.residency import residency
@@ -70,37 +71,15 @@ class OrtRunner:
         self.modules = modules
 
     def run_numpy(self, *inputs: np.ndarray) -> list[np.ndarray]:
-        n = int(inputs[0].shape[0])
-        if n in self.modules:
-            return self.modules[n](*inputs)
-        results, start = [], 0
-        for size in pieces(n, list(self.modules)):
-            results.append(self.modules[size](*[x[start:start + size] for x in inputs]))
-            start += size
-        return [np.concatenate(parts) for parts in zip(*results, strict=True)]
+        from qcompile.codegen.cpu import run_in_pieces
+
+        return run_in_pieces(lambda size, xs: self.modules[size](*xs), inputs,
+                             list(self.modules))
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         raw = self.run_numpy(*[x.detach().contiguous().numpy() for x in inputs])
         outs = [torch.from_numpy(np.ascontiguousarray(r)) for r in raw]
         return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def pieces(n: int, sizes: list[int]) -> list[int]:
-    """``n`` as compiled batch sizes, largest first (the cpu target's split; 1 is compiled)."""
-    out: list[int] = []
-    for s in sorted(sizes, reverse=True):
-        while n >= s:
-            out.append(s)
-            n -= s
-    if n:
-        raise ValueError(f"batch remainder {n} fits no compiled size {sorted(sizes)}")
-    return out
-
-
-def batch_sizes(q: QuantizedModel, wanted: tuple[int, ...]) -> tuple[int, ...]:
-    if not q.dynamic_batch:
-        return (int(q.example_inputs[0].shape[0]),)
-    return tuple(sorted({1, *(b for b in wanted if 1 <= b <= q.config.max_batch)}))
 
 
 def build(graphs: dict[int, Graph], *, threads: int = 0) -> tuple[OrtRunner, dict[str, Any]]:
