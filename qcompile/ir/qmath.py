@@ -66,7 +66,8 @@ def make_requant(reals: Sequence[Sequence[float]], zero_points: Sequence[int], o
     return Requant(terms, shifts, out.zp, lo, hi, out.dtype, axis if len(shifts) > 1 else None)
 
 
-def _per_channel(values: Sequence[int], axis: int | None, ndim: int) -> np.ndarray:
+def per_channel(values: Sequence[int], axis: int | None, ndim: int) -> np.ndarray:
+    """``values`` shaped to broadcast along ``axis`` of a rank-``ndim`` tensor."""
     arr = np.asarray(values, dtype=np.int64)
     if axis is None or arr.size == 1:
         return arr.reshape(())
@@ -83,8 +84,8 @@ def requantize(rq: Requant, *operands: np.ndarray) -> np.ndarray:
     total = np.zeros((), dtype=np.int64)
     for x, term in zip(operands, rq.terms, strict=True):
         centred = np.asarray(x, dtype=np.int64) - term.zero_point
-        total = total + centred * _per_channel(term.multiplier, rq.axis, ndim)
-    shift = _per_channel(rq.shift, rq.axis, ndim)
+        total = total + centred * per_channel(term.multiplier, rq.axis, ndim)
+    shift = per_channel(rq.shift, rq.axis, ndim)
     rounded = (total + (np.int64(1) << (shift - 1))) >> shift
     out = np.clip(rounded + rq.zp_out, rq.qmin, rq.qmax)
     return out.astype(rq.out_dtype.np)
@@ -104,19 +105,19 @@ def acc_scales(x: QParams, w: QParams) -> np.ndarray:
 
 def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
     """PT2E's quantize: ``clamp(round_half_even(x / s) + zp)`` (in float32 like PT2E)."""
-    scale, zp = _broadcast_qparams(qp, np.ndim(x))
+    scale, zp = broadcast_qparams(qp, np.ndim(x))
     inv = (np.float32(1.0) / scale.astype(np.float32)).astype(np.float32)
     q = np.round(np.asarray(x, dtype=np.float32) * inv) + zp
     return np.clip(q, qp.qmin, qp.qmax).astype(qp.dtype.np)
 
 
 def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
-    scale, zp = _broadcast_qparams(qp, np.ndim(q))
+    scale, zp = broadcast_qparams(qp, np.ndim(q))
     return ((np.asarray(q, dtype=np.int64) - zp).astype(np.float32)
             * scale.astype(np.float32)).astype(np.float32)
 
 
-def _broadcast_qparams(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+def broadcast_qparams(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
     scale = np.asarray(qp.scale, dtype=np.float64)
     zp = np.asarray(qp.zero_point, dtype=np.int64)
     if qp.axis is None:

@@ -135,16 +135,6 @@ def back(ex: Exporter, n: Node, y: str) -> str:
     return ex.op("Transpose", [y], perm=TO_NHWC) if n.attrs.get("layout") == "nhwc" else y
 
 
-def per_channel(values: tuple[int, ...] | np.ndarray, axis: int | None, ndim: int) -> np.ndarray:
-    """``values`` shaped to broadcast along ``axis`` of a rank-``ndim`` tensor (qmath's rule)."""
-    arr = np.asarray(values, dtype=np.int64)
-    if axis is None or arr.size == 1:
-        return arr.reshape(())
-    shape = [1] * ndim
-    shape[axis] = arr.size
-    return arr.reshape(shape)
-
-
 def zero_point(ex: Exporter, zp: int, dtype: DType) -> str:
     return ex.const(zp, dtype.np)
 

@@ -11,9 +11,9 @@ from qcompile.codegen.ort.export import (
     conv_attrs,
     lowers,
     nchw,
-    per_channel,
     zero_point,
 )
+from qcompile.ir import qmath
 from qcompile.ir.graph import Node, Op
 from qcompile.ir.types import DType
 
@@ -90,9 +90,9 @@ def _requant(ex: Exporter, n: Node, v: list[str]) -> str:
     total = None
     for x, term in zip(v, rq.terms, strict=True):
         prod = ex.op("Mul", [_centred(ex, x, term.zero_point, DType.I64),
-                             ex.const(per_channel(term.multiplier, rq.axis, ndim))])
+                             ex.const(qmath.per_channel(term.multiplier, rq.axis, ndim))])
         total = prod if total is None else ex.op("Add", [total, prod])
-    shift = per_channel(rq.shift, rq.axis, ndim)
+    shift = qmath.per_channel(rq.shift, rq.axis, ndim)
     biased = ex.op("Add", [total, ex.const(np.left_shift(np.int64(1), shift - 1))])
     divisor = ex.const(np.left_shift(np.int64(1), shift))
     floored = ex.op("Sub", [biased, ex.op("Mod", [biased, divisor], fmod=0)])
@@ -111,23 +111,12 @@ def _lut(ex: Exporter, n: Node, v: list[str]) -> str:
     return ex.op("Gather", [ex.const(np.asarray(n.attrs.table)), index], axis=0)
 
 
-def _scale_zp(n: Node, ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    qp = n.attrs.qp
-    scale = np.asarray(qp.scale, dtype=np.float64)
-    zp = np.asarray(qp.zero_point, dtype=np.int64)
-    if qp.axis is None:
-        return scale.reshape(()), zp.reshape(())
-    shape = [1] * ndim
-    shape[qp.axis] = scale.size
-    return scale.reshape(shape), zp.reshape(shape)
-
-
 @lowers(Op.QUANT)
 def _quant(ex: Exporter, n: Node, v: list[str]) -> str:
     """PT2E's quantize as :func:`qmath.quantize_array` computes it: times the float32
     reciprocal of the float32 scale, round half to even, plus the zero point, clamp."""
     qp = n.attrs.qp
-    scale, zp = _scale_zp(n, len(n.shape))
+    scale, zp = qmath.broadcast_qparams(n.attrs.qp, len(n.shape))
     inv = (np.float32(1.0) / scale.astype(np.float32)).astype(np.float32)
     x = v[0] if n.src[0].dtype is DType.F32 else ex.cast(v[0], DType.F32)
     q = ex.op("Round", [ex.op("Mul", [x, ex.const(inv)])])
@@ -139,7 +128,7 @@ def _quant(ex: Exporter, n: Node, v: list[str]) -> str:
 @lowers(Op.DEQUANT)
 def _dequant(ex: Exporter, n: Node, v: list[str]) -> str:
     """``float32(x - zp) * float32(scale)``, as :func:`qmath.dequantize_array`."""
-    scale, zp = _scale_zp(n, len(n.shape))
+    scale, zp = qmath.broadcast_qparams(n.attrs.qp, len(n.shape))
     x = ex.cast(v[0], DType.I64)
     if np.any(zp):
         x = ex.op("Sub", [x, ex.const(zp)])
