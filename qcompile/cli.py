@@ -354,8 +354,8 @@ def models() -> None:
 
 
 class _Terminated(BaseException):
-    """SIGTERM as an exception: what is running unwinds (a running iree-compile is killed by
-    ``subprocess.run``, temp folders are removed) before the process ends by the signal."""
+    """SIGTERM as an exception: what is running unwinds (a running iree-compile is killed and
+    reaped by ``iree_cpu._run``, temp folders are removed) before the process ends by the signal."""
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

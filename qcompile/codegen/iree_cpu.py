@@ -60,11 +60,23 @@ def try_compile(mlir: str, flags: tuple[str, ...]) -> bytes | str:
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
-                              check=False)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(argv, 124, "", f"timed out after {COMPILE_TIMEOUT_S}s")
+    """``argv`` to completion. Interrupted (Ctrl-C, SIGTERM as an exception, a timeout), the child
+    is killed and reaped before this returns or raises: no compiler outlives qcompile, not even as
+    a zombie (``subprocess.run`` leaves one on KeyboardInterrupt)."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return subprocess.CompletedProcess(argv, 124, "",
+                                               f"timed out after {COMPILE_TIMEOUT_S}s")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def failure(mlir: str, flags: tuple[str, ...], errors: list[str], keep_dir: str | Path | None,

@@ -85,17 +85,22 @@ class Run:
         out, _ = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, out
 
-    def orphans(self) -> list[int]:
-        """iree-compile children still alive after their parent died (killed here)."""
-        alive = []
+    def orphans(self) -> list[str]:
+        """iree-compile children still there after their parent died, running or as unreaped
+        zombies (which a container's PID 1 may never reap); the running ones are killed here."""
+        left = []
         for pid, comm in self.seen.items():
             try:
-                if comm == "iree-compile" and comm in Path(f"/proc/{pid}/comm").read_text():
-                    alive.append(pid)
-                    os.kill(pid, signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                pass
-        return alive
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if stat[stat.index("(") + 1:stat.rindex(")")] != comm or comm != "iree-compile":
+                continue
+            state = stat[stat.rindex(")") + 2:].split()[0]
+            left.append(f"{pid} (state {state})")
+            if state != "Z":
+                os.kill(pid, signal.SIGKILL)
+        return left
 
 
 def _no_temp_files(folder: Path) -> list[str]:
