@@ -88,7 +88,7 @@ class Search:
 
         self.recipe = recipe
         self.mut = build_model(recipe)
-        self.calib = calibration_batches(recipe, self.mut)
+        self.calib = lambda: calibration_batches(recipe, self.mut)   # a fresh stream a trial
         self.config = QuantizeConfig.from_recipe(recipe)
         self._eval: tuple[list[Any], np.ndarray] | None = None
         self.trials = 0
@@ -97,7 +97,7 @@ class Search:
         from qcompile.pipeline import _labels, evaluation_batches, run_batches
         from qcompile.reference.program import ReferenceProgram
 
-        q = quantize(self.mut.module, self.mut.example_inputs(), self.calib,
+        q = quantize(self.mut.module, self.mut.example_inputs(), self.calib(),
                      replace(self.config, skip=tuple(skip)))
         if self._eval is None:
             batches = evaluation_batches(self.recipe, self.mut, q)

@@ -6,6 +6,7 @@ import importlib
 import logging
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,14 @@ def _reader(section: Any, fallback: str) -> Any:
     return calibration.get_reader(section.dataset or fallback, **section.options)
 
 
-def calibration_batches(recipe: Recipe, mut: ModelUnderTest) -> list[Batch]:
+def calibration_batches(recipe: Recipe, mut: ModelUnderTest) -> Iterator[Batch]:
+    """The recipe's calibration batches as a stream: each is made when asked for and dropped
+    once observed, so memory does not grow with ``calibration.batches``. Call again for a second
+    pass; ``list(...)`` where every batch is needed at once (the benchmarks)."""
     c = recipe.calibration
     reader = _reader(c, mut.default_dataset)
-    return list(reader.batches(mut.spec, batch_size=c.batch_size, num_batches=c.batches,
-                               split="calibration"))
+    yield from reader.batches(mut.spec, batch_size=c.batch_size, num_batches=c.batches,
+                              split="calibration")
 
 
 def evaluation_batches(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel) -> list[Batch]:
@@ -183,16 +187,15 @@ def run_recipe(recipe: Recipe, *, targets: list[str] | None = None, progress: bo
     mut = build_model(recipe)
     timings["build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    calib = calibration_batches(recipe, mut)
-    q = quantize(mut.module, mut.example_inputs(), calib, QuantizeConfig.from_recipe(recipe),
-                 progress=progress)
+    q = quantize(mut.module, mut.example_inputs(), calibration_batches(recipe, mut),
+                 QuantizeConfig.from_recipe(recipe), progress=progress)
     timings["quantize_s"] = time.perf_counter() - t0
     batches = evaluation_batches(recipe, mut, q)
     float_out = run_batches(mut.module, batches, "evaluate float", progress)
     options = compile_options(recipe, q, out_dir)
     per_target = {t: _run_target(recipe, q, t, batches, float_out, mut.task, progress, options)
                   for t in (targets or recipe.targets)}
-    return _report(recipe, mut, q, calib, batches, per_target, timings)
+    return _report(recipe, mut, q, batches, per_target, timings)
 
 
 def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Batch],
@@ -275,7 +278,7 @@ def cpu_latency(compiled: CompiledModel, q: QuantizedModel, x: tuple[torch.Tenso
                 per_batch, key=int)), "per_batch": per_batch}
 
 
-def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel, calib: list[Batch],
+def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel,
             batches: list[Batch], per_target: dict[str, Any],
             timings: dict[str, float]) -> dict[str, Any]:
     ran = [t for t, r in per_target.items() if r["status"] == "ok"]
@@ -294,8 +297,8 @@ def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel, calib: list[
                          "quantized_ops": q.quantized_ops,
                          "calibration": {"dataset": recipe.calibration.dataset
                                          or mut.default_dataset, "method": q.config.method,
-                                         "batches": len(calib),
-                                         "samples": sum(len(b.inputs[0]) for b in calib)}},
+                                         "batches": q.calibration_batches,
+                                         "samples": q.calibration_samples}},
         "evaluation": {"dataset": recipe.evaluation.dataset or recipe.calibration.dataset
                        or mut.default_dataset, "batches": len(batches),
                        "samples": sum(len(b.inputs[0]) for b in batches)},

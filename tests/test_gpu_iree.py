@@ -4,6 +4,7 @@ dot products on Vulkan). What was found is printed (`pytest -s`) and asserted.""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ EXPECT = {"rocm": "int8_mfma", "vulkan": "int8_dot"}
 def _graph(name: str):
     r = load_recipe(RECIPES / f"{name}.yaml")
     mut = build_model(r)
-    q = quantize(mut.module, mut.example_inputs(), calibration_batches(r, mut)[:2],
+    q = quantize(mut.module, mut.example_inputs(), itertools.islice(calibration_batches(r, mut), 2),
                  QuantizeConfig.from_recipe(r))
     return q, lower(q, 1).graph
 

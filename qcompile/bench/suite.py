@@ -108,7 +108,7 @@ def run_bench(recipe: Recipe, *, peers: list[str] | None = None,
     bench = recipe.benchmark
     sizes = tuple(batch_sizes or bench.batch_sizes)
     mut = build_model(recipe)
-    calib = calibration_batches(recipe, mut)
+    calib = list(calibration_batches(recipe, mut))   # every batch: the benchmark inputs
     q = quantize(mut.module, mut.example_inputs(), calib, QuantizeConfig.from_recipe(recipe))
     ctx = Context(mut.module, q, [b.inputs for b in calib], sizes, tuple(mut.spec.names),
                   workdir())

@@ -60,6 +60,7 @@ class QuantizedModel:
     quantized_ops: dict[str, int]
     calibration_batches: int
     dynamic_batch: bool
+    calibration_samples: int = 0
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         with torch.no_grad():
@@ -172,7 +173,7 @@ def quantize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
     config = config or QuantizeConfig()
     exported, dynamic = export_model(model, example_inputs, max_batch=config.max_batch)
     prepared = prepare_pt2e(_prepared_graph(exported), make_quantizer(config, model))
-    count = _calibrate(prepared, calibration, example_inputs, dynamic, progress)
+    count, samples = _calibrate(prepared, calibration, example_inputs, dynamic, progress)
     converted = convert_pt2e(prepared)
     ops = count_quantized_ops(converted)
     if not ops:
@@ -182,14 +183,17 @@ def quantize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
             why="the quantizer annotated no conv/linear/matmul/add node"
                 + (f" (skip list: {', '.join(config.skip)})" if config.skip else ""),
             next="check quantizer.skip in the recipe, or that the model has conv/linear layers")
-    return QuantizedModel(converted, model, example_inputs, config, ops, count, dynamic)
+    return QuantizedModel(converted, model, example_inputs, config, ops, count, dynamic, samples)
 
 
 def _calibrate(prepared: torch.fx.GraphModule, batches: Iterable[Any],
-               example_inputs: tuple[torch.Tensor, ...], dynamic: bool, progress: bool) -> int:
+               example_inputs: tuple[torch.Tensor, ...], dynamic: bool, progress: bool
+               ) -> tuple[int, int]:
+    """Feeds ``batches`` through the observers one at a time (a stream: none is kept); returns
+    how many batches and samples it saw."""
     from tqdm import tqdm
 
-    count = 0
+    count = samples = 0
     with torch.no_grad():
         for item in tqdm(batches, desc="calibrate", unit="batch", disable=not progress,
                          leave=False):
@@ -197,12 +201,14 @@ def _calibrate(prepared: torch.fx.GraphModule, batches: Iterable[Any],
             _check_calibration_batch(inputs, example_inputs, dynamic, count)
             prepared(*inputs)
             count += 1
+            samples += len(inputs[0]) if inputs and inputs[0].dim() else 1
+            del item, inputs
     if count == 0:
         raise QuantizationError(
             "calibration saw no data", at="calibration",
             why="the calibration dataset yielded no batches",
             next="set calibration.batches ≥ 1 and check the dataset has samples")
-    return count
+    return count, samples
 
 
 def _check_calibration_batch(inputs: tuple[torch.Tensor, ...], example: tuple[torch.Tensor, ...],

@@ -81,10 +81,6 @@ def test_observing_100_mib_of_activations_keeps_memory_flat(method):
     assert _rss_mib() - before < 32
 
 
-@pytest.mark.xfail(strict=True, reason="qcompile.pipeline.calibration_batches returns a list: "
-                   "run/compile/inspect hold every calibration batch in memory for the whole "
-                   "run (recipes allow 100000 batches); the fix belongs in pipeline.py (yield "
-                   "them, count them while calibrating)")
 def test_recipe_calibration_batches_stream():
     from qcompile.pipeline import build_model, calibration_batches
     from qcompile.recipe import recipe_from_dict
