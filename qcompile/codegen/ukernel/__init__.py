@@ -1,0 +1,230 @@
+"""A hand-written AVX-512 VNNI implicit-GEMM convolution microkernel (``conv_vnni.c``), linked
+into IREE's executables through ``hal.executable`` objects.
+
+* :func:`build_object` compiles the C source with gcc (cached by source and flag hash).
+* :func:`pack_weights` lays the s8 weights out for the kernel; :func:`pack_params` writes the
+  shape header and the per-channel requantize tables (i64).
+* :func:`executable_mlir` is the ``hal.executable`` that calls the kernel: a workgroup grid of
+  (64-channel blocks, output rows, batch).
+
+The kernel reads u8 NHWC input already padded by its zero point (the caller's pad also rounds
+the channels up to a multiple of 4; those weights are zero), and writes the requantized int8
+output (NHWC) directly: no im2col buffer and no activation packing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qcompile.errors import CompileError
+
+SOURCE = Path(__file__).with_name("conv_vnni.c")
+SYMBOL = "qk_conv2d_u8s8"
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
+          "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
+          "-fno-asynchronous-unwind-tables", "-c")
+HEADER = 32
+BLOCK = 64          # output channels per workgroup
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("QCOMPILE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qcompile")
+    return Path(root) / "ukernel"
+
+
+def build_object() -> Path:
+    """The kernel's object file, compiled by gcc once per source/flags (CompileError without
+    gcc)."""
+    gcc = shutil.which(os.environ.get("QCOMPILE_CC", "gcc"))
+    if gcc is None:
+        raise CompileError("cpu: the VNNI conv microkernel needs gcc", why="gcc not found on PATH",
+                           next="install gcc or set QCOMPILE_CC (the stock lowering is used "
+                                "otherwise)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join((gcc, *CFLAGS)).encode()).hexdigest()[:16]
+    out = cache_dir() / f"conv_vnni-{key}.o"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="qcompile-uk-") as tmp:
+        obj = Path(tmp) / "k.o"
+        proc = subprocess.run([gcc, *CFLAGS, str(SOURCE), "-o", str(obj)], capture_output=True,
+                              text=True, check=False)
+        if proc.returncode != 0:
+            raise CompileError("cpu: gcc failed on the VNNI conv microkernel",
+                               why=proc.stderr[-2000:], next="check the gcc installation")
+        os.replace(obj, out)
+    return out
+
+
+def host_has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl",
+                                    "avx512_vnni"))
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    n: int
+    hp: int              # padded input height
+    wp: int              # padded input width
+    c: int               # input channels, padded to a multiple of 4
+    f: int               # output channels
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    dh: int
+    dw: int
+    oh: int
+    ow: int
+
+    @property
+    def fp(self) -> int:
+        return -(-self.f // 16) * 16
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.fp // BLOCK)
+
+
+def padded_channels(c: int) -> int:
+    return -(-c // 4) * 4
+
+
+def pack_weights(w: np.ndarray) -> np.ndarray:
+    """``w[F, KH, KW, C]`` (s8, OHWI) → the kernel's layout: per block of 64 output channels
+    ``[KH, KW, C/4, channels, 4]`` (channels padded to 16 and C to 4 with zeros)."""
+    f, kh, kw, c = w.shape
+    cp, fp = padded_channels(c), -(-f // 16) * 16
+    wz = np.zeros((fp, kh, kw, cp), np.int8)
+    wz[:f, :, :, :c] = w
+    parts = []
+    for c0 in range(0, fp, BLOCK):
+        blk = wz[c0:c0 + BLOCK].reshape(-1, kh, kw, cp // 4, 4)
+        parts.append(np.ascontiguousarray(np.transpose(blk, (1, 2, 3, 0, 4))).reshape(-1))
+    return np.concatenate(parts)
+
+
+def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarray,
+                zout: int, qmin: int, qmax: int, *, m1: np.ndarray | None = None,
+                res_zp: int = 0, res_signed: bool = False) -> np.ndarray:
+    """Header + per-channel i64 tables ``bias, m0, m1, add, shift`` (length ``fp`` each).
+
+    ``bias`` includes every term that is added to the accumulator before ``m0`` (folded zero
+    points, minus the requant's own zero point of the accumulator term)."""
+    fp = s.fp
+
+    def chan(v: np.ndarray | int | None, fill: int = 0) -> np.ndarray:
+        out = np.full(fp, fill, np.int64)
+        if v is not None:
+            out[:s.f] = np.broadcast_to(np.asarray(v, np.int64), (s.f,))
+        return out
+
+    shift_c = chan(shift, 1)
+    m1_c = chan(m1)
+    with np.errstate(over="ignore"):
+        add = (np.left_shift(np.int64(1), shift_c - 1) - np.int64(res_zp) * m1_c).astype(np.int64)
+    h = np.zeros(HEADER, np.int64)
+    h[:19] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n]
+    return np.concatenate([h, chan(bias), chan(m0), m1_c, add, shift_c])
+
+
+_TARGETS: dict[tuple[str, ...], str] = {}
+_PROBE = """func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = arith.mulf %a, %a : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+
+
+def host_target(flags: tuple[str, ...]) -> str:
+    """The ``#hal.executable.target`` iree-compile derives from ``flags`` (cached per process).
+
+    The kernel's variant must carry exactly this target: IREE links every executable of one
+    target into one variant, and a variant with another target becomes a second variant of the
+    same format, which the runtime may pick for the stock dispatches (and not find them)."""
+    if flags in _TARGETS:
+        return _TARGETS[flags]
+    from qcompile.codegen import iree_cpu
+
+    with tempfile.TemporaryDirectory(prefix="qcompile-uk-") as tmp:
+        src, out = Path(tmp) / "p.mlir", Path(tmp) / "p.out.mlir"
+        src.write_text(_PROBE, encoding="utf-8")
+        proc = iree_cpu._run([iree_cpu.iree_compile_path(), str(src), "-o", str(out),
+                              "--compile-to=executable-sources", *flags])
+        text = out.read_text(encoding="utf-8") if proc.returncode == 0 else ""
+    m = re.search(r"hal\.executable\.variant public @\w+ target\((<.*?>)\)", text)
+    if m is None:
+        raise CompileError("cpu: cannot read the host executable target from iree-compile",
+                           why=proc.stderr[-1000:])
+    _TARGETS[flags] = m.group(1)
+    return m.group(1)
+
+
+def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: int,
+                    residual: bool, target: str) -> str:
+    """A ``hal.executable`` @name with export @conv: bindings (x, w, params[, res], y)."""
+    ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
+    if residual:
+        ins.append(("i8", s.n * s.oh * s.ow * s.f))
+    out = ("i8", s.n * s.oh * s.ow * s.f)
+    binds = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * len(ins)
+                      + ["#hal.pipeline.binding<storage_buffer>"])
+    layout = f"#hal.pipeline.layout<bindings = [{binds}]>"
+    lines = []
+    args, types = [], []
+    allb = [*ins, out]
+    for i, (et, n) in enumerate(allb):
+        lines.append(f"          %b{i} = hal.interface.binding.subspan layout({layout}) "
+                     f"binding({i}) alignment(64) offset(%c0) : memref<{n}x{et}>")
+        lines.append(f"          %p{i}, %o{i}, %z{i}, %s{i} = iree_codegen.extract_strided_"
+                     f"metadata %b{i} : memref<{n}x{et}> -> memref<{et}>, index, index, index")
+    order = [0, 1, 2, 3 if residual else 0, len(allb) - 1]
+    for i in order:
+        args += [f"%p{i}", f"%o{i}"]
+        types += [f"memref<{allb[i][0]}>", "index"]
+    args += ["%wx", "%wy", "%wz"]
+    types += ["index"] * 3
+    decl = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
+    body = "\n".join(lines)
+    return f"""
+  hal.executable private @{name} {{
+    hal.executable.variant public @x86 target({target})
+        objects([#hal.executable.object<{{path = "{obj}"}}>]) {{
+      hal.executable.export public @conv ordinal(0) layout({layout})
+          count(%device: !hal.device) -> (index, index, index) {{
+        %x = arith.constant {s.blocks} : index
+        %y = arith.constant {s.oh} : index
+        %z = arith.constant {s.n} : index
+        hal.return %x, %y, %z : index, index, index
+      }}
+      builtin.module {{
+        func.func private @{SYMBOL}({decl}) attributes {{hal.import.static, llvm.bareptr = true}}
+        func.func @conv() {{
+          %c0 = arith.constant 0 : index
+          %wx = hal.interface.workgroup.id[0] : index
+          %wy = hal.interface.workgroup.id[1] : index
+          %wz = hal.interface.workgroup.id[2] : index
+{body}
+          func.call @{SYMBOL}({", ".join(args)}) : ({", ".join(types)}) -> ()
+          return
+        }}
+      }}
+    }}
+  }}
+"""

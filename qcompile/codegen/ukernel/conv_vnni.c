@@ -1,0 +1,173 @@
+// Implicit-GEMM int8 convolution with the requantize epilogue fused, for x86-64 AVX-512 VNNI.
+//
+// u8 activations (NHWC, already padded by their zero point, channels padded to a multiple of 4)
+// times s8 weights (pre-packed, see qcompile/codegen/ukernel/__init__.py: pack_weights) with
+// vpdpbusd into i32, then qcompile's fixed-point requantize (qcompile/ir/qmath.py) in i64:
+//
+//   out = clamp(((acc + bias[c]) * m0[c] + res * m1[c] + add[c]) >> shift[c] + zp_out, lo, hi)
+//
+// where bias holds the folded zero-point terms and add = 2^(shift-1) - z_res * m1. All i64
+// arithmetic wraps exactly like the reference's numpy int64, so the result is bit-exact.
+//
+// One call computes one output row (n, oh) for one block of up to 64 output channels; IREE's
+// workgroup grid is (channel blocks, OH, N). Called through hal.executable objects with bare
+// pointers: each buffer is (pointer, element offset).
+//
+// Built freestanding (no libc): gcc -O3 -mavx512f -mavx512bw -mavx512dq -mavx512vl
+// -mavx512vnni -fPIC -ffreestanding -fno-stack-protector -c.
+
+#include <immintrin.h>
+#include <stdint.h>
+
+enum {
+  H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
+  H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, HEADER = 32
+};
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+  const uint8_t* x;        // the (n) image, padded
+  const int8_t* w;         // this channel block's packed weights
+  int64_t row;             // bytes per padded input row (WP * C)
+  int64_t c, kh, kw, sw, dh, dw;
+} conv_args;
+
+// Accumulators of MR output pixels x NR*16 channels.
+INLINE void tile(const conv_args* a, const uint8_t* x0, __m512i acc[6][4], int MR, int NR) {
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
+  const int8_t* w = a->w;
+  const int64_t step = a->sw * a->c;       // input bytes between neighbouring output pixels
+  const int64_t quads = a->c >> 2;
+  for (int64_t i = 0; i < a->kh; ++i) {
+    const uint8_t* xr = x0 + i * a->dh * a->row;
+    for (int64_t k = 0; k < a->kw; ++k) {
+      const uint8_t* xk = xr + k * a->dw * a->c;
+      for (int64_t q = 0; q < quads; ++q) {
+        __m512i wv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + 64 * j));
+        w += 64 * NR;
+#pragma GCC unroll 6
+        for (int m = 0; m < MR; ++m) {
+          __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xk + m * step + 4 * q));
+#pragma GCC unroll 4
+          for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
+        }
+      }
+    }
+  }
+}
+
+typedef struct {
+  const int64_t* bias;
+  const int64_t* m0;
+  const int64_t* m1;
+  const int64_t* add;
+  const int64_t* shift;
+  int64_t zout, qmin, qmax;
+  int res, res_signed;
+} epi_args;
+
+INLINE __m512i requant8(__m512i acc64, __m512i res64, const epi_args* e, int64_t c, int res) {
+  __m512i t = _mm512_mullo_epi64(_mm512_add_epi64(acc64, _mm512_loadu_si512(e->bias + c)),
+                                 _mm512_loadu_si512(e->m0 + c));
+  if (res) t = _mm512_add_epi64(t, _mm512_mullo_epi64(res64, _mm512_loadu_si512(e->m1 + c)));
+  t = _mm512_add_epi64(t, _mm512_loadu_si512(e->add + c));
+  t = _mm512_srav_epi64(t, _mm512_loadu_si512(e->shift + c));
+  t = _mm512_add_epi64(t, _mm512_set1_epi64(e->zout));
+  t = _mm512_max_epi64(t, _mm512_set1_epi64(e->qmin));
+  return _mm512_min_epi64(t, _mm512_set1_epi64(e->qmax));
+}
+
+// 16 channels starting at c (of which `mask` are real) of one pixel.
+INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r, uint8_t* y,
+                    __mmask16 mask) {
+  __m512i rlo = _mm512_setzero_si512(), rhi = rlo;
+  if (e->res) {
+    __m128i rb = _mm_maskz_loadu_epi8(mask, (const void*)r);
+    __m512i r32 = e->res_signed ? _mm512_cvtepi8_epi32(rb) : _mm512_cvtepu8_epi32(rb);
+    rlo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(r32));
+    rhi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(r32, 1));
+  }
+  __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc));
+  __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1));
+  lo = requant8(lo, rlo, e, c, e->res);
+  hi = requant8(hi, rhi, e, c + 8, e->res);
+  __m512i y32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(lo)),
+                                   _mm512_cvtepi64_epi32(hi), 1);
+  _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(y32));
+}
+
+INLINE void run_tile(const conv_args* a, const epi_args* e, const uint8_t* x0, int64_t c0,
+                     int64_t f, const uint8_t* r, uint8_t* y, int MR, int NR) {
+  __m512i acc[6][4];
+  tile(a, x0, acc, MR, NR);
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      int64_t c = c0 + 16 * j;
+      int64_t left = f - c;
+      __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+      store16(acc[m][j], e, c, r ? r + m * f + 16 * j : 0, y + m * f + 16 * j, mask);
+    }
+}
+
+#define TILE_CASE(MR, NR) \
+  case MR: run_tile(a, e, x0, c0, f, r, y, MR, NR); break;
+#define TILES(NR)                                                                         \
+  static void tiles_##NR(const conv_args* a, const epi_args* e, const uint8_t* x0,        \
+                         int64_t c0, int64_t f, const uint8_t* r, uint8_t* y, int mr) {   \
+    switch (mr) {                                                                         \
+      TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
+      TILE_CASE(5, NR) TILE_CASE(6, NR)                                                   \
+    }                                                                                     \
+  }
+TILES(1)
+TILES(2)
+TILES(3)
+TILES(4)
+
+void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                    const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
+                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oh, int64_t n) {
+  const int64_t* h = pb + po;
+  const int64_t hp = h[H_HP], wp = h[H_WP], c = h[H_C], kh = h[H_KH], kw = h[H_KW];
+  const int64_t ow = h[H_OW], f = h[H_F], fp = h[H_FP], ohn = h[H_OH];
+  conv_args a;
+  a.row = wp * c;
+  a.c = c; a.kh = kh; a.kw = kw; a.sw = h[H_SW]; a.dh = h[H_DH]; a.dw = h[H_DW];
+  a.x = xb + xo + n * hp * wp * c;
+  const int64_t k = kh * kw * c;
+  const int64_t c0 = blk * 64;
+  int64_t nr16 = (fp - c0) / 16;
+  const int nr = nr16 > 4 ? 4 : (int)nr16;
+  a.w = wb + wo + c0 * k;
+  epi_args e;
+  const int64_t* per = h + HEADER;
+  e.bias = per; e.m0 = per + fp; e.m1 = per + 2 * fp; e.add = per + 3 * fp;
+  e.shift = per + 4 * fp;
+  e.zout = h[H_ZOUT]; e.qmin = h[H_QMIN]; e.qmax = h[H_QMAX];
+  e.res = (int)h[H_RES]; e.res_signed = (int)h[H_RES_SIGNED];
+  const uint8_t* x_row = a.x + oh * h[H_SH] * a.row;
+  const int64_t out_row = ((n * ohn + oh) * ow) * f;
+  uint8_t* y = yb + yo + out_row;
+  const uint8_t* r = e.res ? rb + ro + out_row : 0;
+  const int64_t step = a.sw * c;
+  for (int64_t p = 0; p < ow; p += 6) {
+    int mr = ow - p >= 6 ? 6 : (int)(ow - p);
+    const uint8_t* x0 = x_row + p * step;
+    uint8_t* yp = y + p * f + c0;
+    const uint8_t* rp = r ? r + p * f + c0 : 0;
+    switch (nr) {
+      case 1: tiles_1(&a, &e, x0, c0, f, rp, yp, mr); break;
+      case 2: tiles_2(&a, &e, x0, c0, f, rp, yp, mr); break;
+      case 3: tiles_3(&a, &e, x0, c0, f, rp, yp, mr); break;
+      default: tiles_4(&a, &e, x0, c0, f, rp, yp, mr); break;
+    }
+  }
+}
