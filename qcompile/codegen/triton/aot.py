@@ -10,6 +10,10 @@ a GPU would JIT-compile: without it, int8 loads cannot be vectorised or made asy
 
 :func:`tensor_core_ops` counts the integer MMA instructions in the PTX: ``mma.sync`` with
 ``.s8`` operands (sm_80 and up) and ``wgmma.mma_async`` with ``.s8`` (sm_90 warp-group MMA).
+
+Every compile goes through :func:`launch_spec` and :func:`.repro.compile_spec`, so a failure
+saves exactly the ``triton.compile`` that failed (:func:`launch_failure` does the same for a
+launch that failed at run time) and the ``CompileError`` prints the command that reruns it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from typing import Any
 
 import torch
 
-from qcompile.codegen.triton import loader
+from qcompile.codegen.triton import loader, repro
 from qcompile.codegen.triton.program import OUT, Launch, Ref, Step
+from qcompile.errors import CompileError
 
 _PTR = {torch.int8: "*i8", torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64",
         torch.float32: "*fp32", torch.float16: "*fp16", torch.bool: "*i1"}
@@ -92,25 +97,61 @@ def launch_attrs(launch: Launch) -> dict[tuple[int, ...], list[list[Any]]]:
     return attrs
 
 
-def compile_launch(launch: Launch, out_dtype: torch.dtype, arch: int) -> Compiled:
-    """AOT-compile ``launch`` for ``sm_<arch>`` (80, 90, ...)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = getattr(loader.kernels(False), launch.kernel)
+def launch_spec(launch: Launch, out_dtype: torch.dtype, arch: int, *, label: str | None = None,
+                loc: str | None = None) -> dict[str, Any]:
+    """What ``triton.compile`` gets for ``launch`` on ``sm_<arch>``, as JSON-able data (the
+    fields of a reproducer, :mod:`qcompile.codegen.triton.repro`)."""
     sig, consts = signature(launch, out_dtype)
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=launch_attrs(launch))
-    options = {"num_warps": launch.warps, "num_stages": launch.stages,
-               "enable_fp_fusion": False}
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return {"kernel": launch.kernel, "step": label, "loc": loc, "signature": sig,
+            "constexprs": {k: _plain(v) for k, v in consts.items()},
+            "attrs": [[list(k), v] for k, v in launch_attrs(launch).items()],
+            "num_warps": launch.warps, "num_stages": launch.stages,
+            "options": {"enable_fp_fusion": False},
+            "target": {"backend": "cuda", "arch": arch, "warp_size": 32},
+            "grid": list(launch.grid), "tile": launch.tile}
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, bool | int | float) else v.item()   # numpy scalars
+
+
+def compile_launch(launch: Launch, out_dtype: torch.dtype, arch: int, *,
+                   keep_dir: str | None = None, label: str | None = None,
+                   loc: str | None = None) -> Compiled:
+    """AOT-compile ``launch`` for ``sm_<arch>`` (80, 90, ...). A Triton failure is a
+    ``CompileError`` with its reproducer saved in ``keep_dir`` (default: the current folder)."""
+    spec = launch_spec(launch, out_dtype, arch, label=label, loc=loc)
+    fn = getattr(loader.kernels(False), launch.kernel)
+    failed: Exception | None = None
+    with repro.quiet() as printed:          # ptxas failures print the whole PTX to stdout
+        try:
+            k = repro.compile_spec(spec, fn)
+        except Exception as err:  # noqa: BLE001 - whatever Triton raises is a compile fault
+            failed = err
+    if failed is not None:
+        raise repro.failure(spec, failed, keep_dir, "compile",
+                            printed.getvalue()) from failed
     ptx = k.asm["ptx"]
     return Compiled(launch.kernel, arch, ptx, tensor_core_ops(ptx))
 
 
-def compile_step(step: Step, arch: int) -> Compiled:
+def compile_step(step: Step, arch: int, keep_dir: str | None = None) -> Compiled:
     assert step.launch is not None, f"step {step.label} launches no kernel"
-    return compile_launch(step.launch, step.dtype, arch)
+    return compile_launch(step.launch, step.dtype, arch, keep_dir=keep_dir, label=step.label,
+                          loc=step.loc)
+
+
+def launch_failure(step: Step, err: Exception, keep_dir: str | None, arch: int | None,
+                   interpreted: bool) -> CompileError:
+    """The error of a kernel launch that failed at run time (the first one on a GPU, where
+    Triton compiles it, or any in the interpreter), its reproducer saved."""
+    assert step.launch is not None
+    try:
+        spec = launch_spec(step.launch, step.dtype, arch or 80, label=step.label, loc=step.loc)
+    except (TypeError, ValueError) as why:      # not a launch Triton can be asked to compile
+        return CompileError(f"kernel '{step.launch.kernel}' failed (chain {step.label})",
+                            at=step.loc, why=f"{repro.error_text(err)}\n(no reproducer: {why})")
+    return repro.failure(spec, err, keep_dir, "interpreter" if interpreted else "launch")
 
 
 def tensor_core_ops(ptx: str) -> dict[str, int]:

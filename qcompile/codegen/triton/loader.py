@@ -33,18 +33,36 @@ def triton_missing() -> str | None:
 @cache
 def kernels(interpret: bool) -> ModuleType:
     """The kernels module, its functions compiled (``interpret=False``) or interpreted."""
+    name = f"qcompile.codegen.triton._kernels_{'interpreted' if interpret else 'compiled'}"
+    return load_source(_SOURCE, name, interpret)
+
+
+def load_source(path: str, name: str, interpret: bool) -> ModuleType:
+    """The kernels file at ``path`` executed as module ``name`` (the reproducers of
+    :mod:`qcompile.codegen.triton.repro` load the copy of it they carry)."""
     missing = triton_missing()
     if missing:
         raise TargetUnavailableError("target 'cuda' needs Triton", at="target cuda", why=missing,
                                      next="pip install 'qcompile[cuda]'")
     import triton
 
-    name = f"qcompile.codegen.triton._kernels_{'interpreted' if interpret else 'compiled'}"
-    spec = importlib.util.spec_from_file_location(name, _SOURCE)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    module._interpreted = interpret  # type: ignore[attr-defined]
     sys.modules[name] = module      # inspect.getsource (used by both modes) looks modules up
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = interpret
         spec.loader.exec_module(module)
     return module
+
+
+def is_interpreted(module: ModuleType) -> bool:
+    """Whether ``module`` is a copy of the kernels loaded for Triton's interpreter."""
+    return bool(getattr(module, "_interpreted", False))
+
+
+def source_text() -> str:
+    """The kernels file, as a reproducer carries it."""
+    with open(_SOURCE, encoding="utf-8") as f:
+        return f.read()

@@ -76,8 +76,9 @@ class Lowerer:
                                f"({n.dtype.value}{list(n.shape)})",
                                why="the kernels index with i32: a tensor has 2^31 elements or more",
                                next="compile a smaller batch size (compile.batch_sizes)")
+        loc = next((c.loc for c in (*covers, n) if c.loc), None)   # the anchor's, if it has one
         return Step(self.key(n), tuple(self.key(c) for c in covers), "kernel", n.shape,
-                    TORCH_DTYPE[n.dtype], label, launch=launch)
+                    TORCH_DTYPE[n.dtype], label, launch=launch, loc=loc)
 
     def chain_end(self, anchor: Node) -> Node | None:
         """The REQUANT/DEQUANT that is ``anchor``'s only reader and reads it first, if any."""

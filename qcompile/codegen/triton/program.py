@@ -6,11 +6,18 @@ pad) or, for ops with no GPU lowering (float fallbacks), the reference interpret
 Launch arguments are device tensors built once (weights, epilogue tables), ints, or
 :class:`Ref` placeholders for run-time values, so the same description serves the launch, the
 ahead-of-time compile (:mod:`qcompile.codegen.triton.aot`) and the report.
+
+A kernel is JIT-compiled by Triton at its first launch: any exception out of that launch (or out
+of any launch in the interpreter) becomes a :class:`~qcompile.errors.CompileError` that names the
+kernel, the chain and its source location and leaves a reproducer in ``keep_dir``
+(:mod:`qcompile.codegen.triton.repro`). A kernel that failed after it once ran is not a compile
+fault and raises as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -18,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qcompile.codegen.triton import loader
 from qcompile.ir.types import DType
 
 TORCH_DTYPE = {DType.F32: torch.float32, DType.I8: torch.int8, DType.U8: torch.uint8,
@@ -87,12 +95,15 @@ class Step:
     fn: Callable[..., torch.Tensor] | None = None
     inputs: tuple[Ref, ...] = ()
     reason: str | None = None          # why a host step is not on the device
+    loc: str | None = None             # source location of the chain (its anchor's)
 
-    def run(self, module: ModuleType, env: dict[int, torch.Tensor], device: torch.device
-            ) -> torch.Tensor:
+    def run(self, module: ModuleType, env: dict[int, torch.Tensor], device: torch.device,
+            guard: Callable[[Step], Any] | None = None) -> torch.Tensor:
+        """The step's value; ``guard(step)``: a context manager around the kernel launch."""
         if self.launch is not None:
             out = torch.empty(self.shape, dtype=self.dtype, device=device)
-            self.launch.run(module, env, out)
+            with guard(self) if guard is not None else nullcontext():
+                self.launch.run(module, env, out)
             return out
         assert self.fn is not None
         return self.fn(*[r.resolve(env) for r in self.inputs])
@@ -100,7 +111,9 @@ class Step:
 
 @dataclass
 class Program:
-    """The steps of one graph for one batch size, on ``device`` (``cpu`` when interpreted)."""
+    """The steps of one graph for one batch size, on ``device`` (``cpu`` when interpreted).
+    ``keep_dir``: where a failed kernel leaves its reproducer (``None``: the current folder);
+    ``arch``: the GPU's ``sm_<arch>`` that reproducer compiles for (``None``: 80)."""
 
     module: ModuleType
     device: torch.device
@@ -108,15 +121,36 @@ class Program:
     outputs: tuple[int, ...]
     constants: dict[int, torch.Tensor]            # CONST nodes read at run time
     steps: list[Step] = field(default_factory=list)
+    keep_dir: str | None = None
+    arch: int | None = None
+    launched: set[int] = field(default_factory=set, repr=False)   # steps that launched once
 
     def run_device(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device tensors in, device tensors out (no host copies except host steps)."""
         env: dict[int, torch.Tensor] = dict(self.constants)
         for key, x in zip(self.inputs, inputs, strict=True):
             env[key] = x
+        interpreted = loader.is_interpreted(self.module)
         for step in self.steps:
-            env[step.key] = step.run(self.module, env, self.device)
+            guarded = interpreted or step.key not in self.launched   # no cost once compiled
+            env[step.key] = step.run(self.module, env, self.device,
+                                     self._guard if guarded else None)
         return [env[k] for k in self.outputs]
+
+    @contextmanager
+    def _guard(self, step: Step) -> Iterator[None]:
+        """A failed first launch (Triton compiles then) or a failed interpreted launch becomes a
+        ``CompileError`` with its reproducer saved."""
+        interpreted = loader.is_interpreted(self.module)
+        try:
+            yield
+        except Exception as err:
+            if step.key in self.launched and not interpreted:
+                raise           # it ran before: not a compile fault
+            from qcompile.codegen.triton import aot
+
+            raise aot.launch_failure(step, err, self.keep_dir, self.arch, interpreted) from err
+        self.launched.add(step.key)
 
     def run_numpy(self, *inputs: np.ndarray) -> list[np.ndarray]:
         xs = [torch.from_numpy(np.ascontiguousarray(x)).to(self.device) for x in inputs]

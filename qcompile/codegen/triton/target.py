@@ -2,7 +2,10 @@
 
 One :class:`~qcompile.codegen.triton.program.Program` is built per compiled batch size (QIR is
 static-shaped); other batch sizes run in pieces, as on target ``cpu``. Kernels are JIT-compiled
-by Triton for the GPU found at the first launch of each shape.
+by Triton for the GPU at their first launch, which :func:`compile_cuda` makes once per batch
+size on zeros: a Triton failure is then a ``CompileError`` of the target, reported like an IREE
+failure, with its reproducer in ``compile.keep_dir`` (else the run's output folder, else the
+current folder; :mod:`qcompile.codegen.triton.repro`).
 
 Without a GPU the target is unavailable, with the reason. The same kernels run in Triton's CPU
 interpreter when ``TRITON_INTERPRET=1`` is set (or with ``interpret=True``): slow, meant for the
@@ -21,7 +24,7 @@ import torch
 
 from qcompile.codegen.triton import loader
 from qcompile.codegen.triton.lower import lower_graph
-from qcompile.codegen.triton.program import Program
+from qcompile.codegen.triton.program import TORCH_DTYPE, Program
 from qcompile.frontend.quantize import QuantizedModel
 from qcompile.ir.graph import Graph
 from qcompile.passes.residency import residency
@@ -92,6 +95,23 @@ def device_info(interpret: bool) -> dict[str, Any]:
             "capability": f"sm_{cap[0]}{cap[1]}"}
 
 
+def _arch() -> int:
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def first_launches(programs: dict[int, Program], graphs: dict[int, Graph]) -> None:
+    """Every program run once on zero inputs: Triton JIT-compiles each kernel at its first
+    launch, so compile faults surface here (as ``CompileError``) and not in the first call."""
+    from qcompile.codegen.triton import repro
+
+    with repro.quiet():     # a ptxas failure prints the whole PTX (not one screen)
+        for b, program in programs.items():
+            program.run_device([torch.zeros(n.shape, dtype=TORCH_DTYPE[n.dtype],
+                                            device=program.device) for n in graphs[b].inputs])
+        torch.cuda.synchronize()
+
+
 def compile_cuda(q: QuantizedModel, options: Any = None, cuda: CudaOptions | None = None
                  ) -> CompiledModel:
     """Build the ``cuda`` target for ``q``. ``options``: the shared
@@ -113,10 +133,16 @@ def compile_cuda(q: QuantizedModel, options: Any = None, cuda: CudaOptions | Non
     lowered = {b: lower(q, b, float_ops=options.float_ops)
                for b in batch_sizes(q, tuple(options.batch_sizes))}
     programs = {b: lower_graph(r.graph, module, device, cuda.conv) for b, r in lowered.items()}
+    arch = None if cuda.interpret else _arch()
+    for program in programs.values():
+        program.keep_dir, program.arch = options.keep_dir, arch
+    lower_s = time.perf_counter() - t0
+    if not cuda.interpret:      # the interpreter compiles nothing; a failure there is raised
+        first_launches(programs, {b: r.graph for b, r in lowered.items()})   # by the call
     first = lowered[min(lowered)]
     report = {"passes": first.stats, "residency": residency(first.graph),
               "kernels": programs[max(programs)].summary(), **device_info(cuda.interpret),
-              "compile": {"batch_sizes": sorted(programs),
-                          "lower_s": round(time.perf_counter() - t0, 3)}}
+              "compile": {"batch_sizes": sorted(programs), "lower_s": round(lower_s, 3),
+                          "jit_s": round(time.perf_counter() - t0 - lower_s, 3)}}
     graphs = {b: r.graph for b, r in lowered.items()}
     return CompiledModel("cuda", signature_of(q), CudaRunner(programs, graphs), report)
