@@ -55,7 +55,11 @@ def supported_ops() -> frozenset[Op]:
 
 
 def _load_emitters() -> None:
-    from qcompile.codegen import emit_contract, emit_float  # noqa: F401 - registers emitters
+    from qcompile.codegen import (  # noqa: F401 - registers emitters
+        emit_contract,
+        emit_float,
+        emit_softmax,
+    )
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,37 @@ def lut_table(fn: object, x: QParams, out: QParams) -> np.ndarray:
 
 def int8_dtype(name: str) -> DType:
     return {"uint8": DType.U8, "int8": DType.I8}[name]
+
+
+# -- int8 softmax ------------------------------------------------------------------------------
+# softmax of int8 codes along an axis, int8 codes out, in integers only:
+#   d = max(x) - x                        (0..255: a row's codes against its largest)
+#   e = T[d],  T[k] = round(2^EXP_BITS * exp(-s_x * k))       (the row's largest gives 2^EXP_BITS)
+#   q = zp_out + round_half_up(e * M / (sum(e) * 2^OUT_SHIFT)),  M = round(2^OUT_SHIFT / s_out)
+# then clamped. In i64: e <= 2^22 and M < 2^31 (s_out >= 2^-14), so 2 * e * M < 2^54;
+# sum(e) * 2^17 <= n * 2^39 (rows shorter than 2^20).
+SOFTMAX_EXP_BITS = 22
+SOFTMAX_OUT_SHIFT = 16
+
+
+def softmax_table(x: QParams) -> np.ndarray:
+    """``T[k] = round(2^22 * exp(-s_x * k))`` for every code distance ``k`` of ``x``'s dtype."""
+    lo, hi = x.dtype.range
+    k = np.arange(hi - lo + 1, dtype=np.float64)
+    return np.round(np.exp(-float(x.scale[0]) * k) * 2.0**SOFTMAX_EXP_BITS).astype(np.int64)
+
+
+def softmax_multiplier(out: QParams) -> int:
+    """``M = round(2^16 / s_out)``: the output scale as a fixed-point reciprocal."""
+    return int(round(2.0**SOFTMAX_OUT_SHIFT / float(out.scale[0])))
+
+
+def softmax_codes(x: np.ndarray, axis: int, table: np.ndarray, multiplier: int, zp: int,
+                  qrange: tuple[int, int]) -> np.ndarray:
+    """The int8 softmax above on codes ``x`` (any integer dtype), as int64 codes."""
+    v = x.astype(np.int64)
+    e = table[v.max(axis=axis, keepdims=True) - v]
+    total = e.sum(axis=axis, keepdims=True)
+    q = zp + (2 * e * multiplier + (total << SOFTMAX_OUT_SHIFT)) // \
+        (total << (SOFTMAX_OUT_SHIFT + 1))
+    return np.clip(q, *qrange)

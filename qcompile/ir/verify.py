@@ -90,6 +90,26 @@ def _lut(n: Node) -> str | None:
     return _int_src(n, 0)
 
 
+def _qsoftmax(n: Node) -> str | None:
+    x, a = n.src[0], n.attrs
+    lo, hi = x.dtype.range if x.dtype.is_int8 else (0, -1)
+    t = a.get("table")
+    if not isinstance(t, np.ndarray) or t.dtype != np.int64 or t.shape != (hi - lo + 1,):
+        return "qsoftmax needs an i64 exp table with one entry per code distance of its input"
+    if not n.dtype.is_int8 or n.shape != x.shape:
+        return "qsoftmax maps int8 codes to int8 codes of the same shape"
+    if not isinstance(a.get("axis"), int) or not -len(n.shape) <= a.axis < len(n.shape):
+        return f"qsoftmax axis {a.get('axis')!r} is not an axis of {list(n.shape)}"
+    if not isinstance(a.get("m"), int) or not 0 < a.m < 2**31:
+        return "qsoftmax needs an output multiplier m in (0, 2^31)"
+    rng, zp = a.get("range"), a.get("zp")
+    if not (isinstance(rng, tuple) and len(rng) == 2 and all(isinstance(v, int) for v in rng)
+            and isinstance(zp, int) and n.dtype.range[0] <= rng[0] <= zp <= rng[1]
+            <= n.dtype.range[1]):
+        return "qsoftmax zp and range must lie in the result dtype's range"
+    return None
+
+
 def _layout(n: Node) -> str | None:
     """Convolutions and pools are NCHW or NHWC (channels-last); channel counts must agree."""
     layout = n.attrs.get("layout", "nchw")
@@ -146,6 +166,7 @@ RULES: dict[Op, tuple[Rule, ...]] = {
     Op.QSUM: (lambda n: _arity(n, 1), _contraction),
     Op.REQUANT: (lambda n: _arity(n, 1, 8), _requant),
     Op.LUT: (lambda n: _arity(n, 1), _lut),
+    Op.QSOFTMAX: (lambda n: _arity(n, 1), lambda n: _int_src(n, 0), _qsoftmax),
     **{op: (_same_dtype,) for op in DATA_MOVEMENT},
     Op.PERMUTE: (lambda n: _arity(n, 1), _same_dtype, _permute),
     Op.MAXPOOL2D: (lambda n: _arity(n, 1), _same_dtype, _layout),

@@ -127,6 +127,13 @@ def _lut(n: Node, v: list[np.ndarray]) -> np.ndarray:
     return n.attrs.table[v[0].astype(np.int64) - lo]
 
 
+@impl(Op.QSOFTMAX)
+def _qsoftmax(n: Node, v: list[np.ndarray]) -> np.ndarray:
+    a = n.attrs
+    q = qmath.softmax_codes(v[0], a.axis, a.table, a.m, a.zp, a.range)
+    return q.astype(n.dtype.np)
+
+
 @impl(Op.QUANT)
 def _quant(n: Node, v: list[np.ndarray]) -> np.ndarray:
     return qmath.quantize_array(v[0], n.attrs.qp)

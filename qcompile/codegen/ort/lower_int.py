@@ -111,6 +111,24 @@ def _lut(ex: Exporter, n: Node, v: list[str]) -> str:
     return ex.op("Gather", [ex.const(np.asarray(n.attrs.table)), index], axis=0)
 
 
+@lowers(Op.QSOFTMAX)
+def _qsoftmax(ex: Exporter, n: Node, v: list[str]) -> str:
+    """:func:`qmath.softmax_codes` in i64 ONNX ops (opset 17: ReduceMax takes its axes as an
+    attribute, ReduceSum as an input); the non-negative divide truncates, i.e. floors."""
+    a = n.attrs
+    x = ex.cast(v[0], DType.I64)
+    dist = ex.op("Sub", [ex.op("ReduceMax", [x], axes=[a.axis], keepdims=1), x])
+    e = ex.op("Gather", [ex.const(np.asarray(a.table, np.int64)), dist], axis=0)
+    total = ex.op("ReduceSum", [e, ex.const([a.axis], np.int64)], keepdims=1)
+    k = qmath.SOFTMAX_OUT_SHIFT
+    num = ex.op("Add", [ex.op("Mul", [e, ex.const(2 * a.m, np.int64)]),
+                        ex.op("Mul", [total, ex.const(2**k, np.int64)])])
+    q = ex.op("Div", [num, ex.op("Mul", [total, ex.const(2 ** (k + 1), np.int64)])])
+    q = ex.op("Add", [q, ex.const(a.zp, np.int64)])
+    q = ex.op("Clip", [q, ex.const(a.range[0], np.int64), ex.const(a.range[1], np.int64)])
+    return ex.cast(q, n.dtype)
+
+
 @lowers(Op.QUANT)
 def _quant(ex: Exporter, n: Node, v: list[str]) -> str:
     """PT2E's quantize as :func:`qmath.quantize_array` computes it: times the float32

@@ -48,6 +48,12 @@ def _sum(x, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _max(x, AXIS: tl.constexpr):
+    """``tl.max`` without its jit wrapper (as :func:`_sum`)."""
+    return tl.reduce(x, AXIS, tl.standard._elementwise_max)
+
+
+@triton.jit
 def _epilogue(v, chan, chan_ok, offs, mask, out, res, ep, scale, F, zr, zp_out, qmin, qmax,
               EPI: tl.constexpr, HAS_RES: tl.constexpr):
     """Bias, then keep i32 (``EPI`` 0), requantize (1) or dequantize (2) — the
@@ -277,6 +283,23 @@ def quantize(x, out, inv, zp, n, CH, CH_INNER, qlo, qhi, BLOCK: tl.constexpr):
     q = r + tl.load(zp + chan, mask=ok, other=0.0)
     q = tl.minimum(tl.maximum(q, qlo), qhi)
     tl.store(out + o, q.to(tl.int32).to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def qsoftmax(x, table, out, S, M2, ZP, QMIN, QMAX, LO: tl.constexpr, SHIFT: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """One row of ``S`` int8 codes per program: :func:`qcompile.ir.qmath.softmax_codes` in i64
+    (the row max, exp-table entries of each distance to it, their sum, one divide each)."""
+    row = tl.program_id(0).to(tl.int64) * S
+    c = tl.arange(0, BLOCK)
+    ok = c < S
+    v = tl.load(x + row + c, mask=ok, other=LO).to(tl.int32)
+    mx = _max(v, 0)
+    e = tl.load(table + (mx - v), mask=ok, other=0)
+    total = _sum(e, 0)
+    q = (e * M2 + (total << SHIFT)) // (total << (SHIFT + 1)) + ZP
+    q = tl.minimum(tl.maximum(q, QMIN), QMAX)
+    tl.store(out + row + c, q.to(out.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from qcompile.codegen.triton.epilogue import end_axis, epilogue, flat_channels
 from qcompile.codegen.triton.program import OUT, TORCH_DTYPE, Launch, Program, Ref, Step
 from qcompile.codegen.triton.tiles import flat_block
 from qcompile.errors import CompileError
+from qcompile.ir import qmath
 from qcompile.ir.graph import ANCHOR_OPS, Graph, Node, Op
 from qcompile.reference import interpreter
 
@@ -203,6 +204,21 @@ def _lut(lw: Lowerer, n: Node) -> Step:
     args = (lw.ref(n.src[0]), table, OUT, n.numel)
     consts = {"LO": n.src[0].dtype.range[0], "BLOCK": block}
     return lw.step(n, (n,), Launch("lut", grid, args, consts, tile=f"{block}"), "lut")
+
+
+@lowers(Op.QSOFTMAX)
+def _qsoftmax(lw: Lowerer, n: Node) -> Step | None:
+    a = n.attrs
+    width = n.shape[-1]
+    if a.axis != len(n.shape) - 1 or width > 8192:
+        return None           # rows along another axis or longer than one tile: on the host
+    block = max(16, 1 << (width - 1).bit_length())
+    rows = n.numel // width
+    args = (lw.ref(n.src[0]), lw.tensor(np.asarray(a.table, np.int64)), OUT, width, 2 * a.m,
+            a.zp, a.range[0], a.range[1])
+    consts = {"LO": n.src[0].dtype.range[0], "SHIFT": qmath.SOFTMAX_OUT_SHIFT, "BLOCK": block}
+    return lw.step(n, (n,), Launch("qsoftmax", (rows, 1, 1), args, consts, tile=f"{block}"),
+                   "qsoftmax")
 
 
 @lowers(Op.MAXPOOL2D)
