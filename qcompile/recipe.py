@@ -225,6 +225,9 @@ class CompileSection(_Strict):
                     "the benchmark batches); other batches run in pieces")
     float_ops: Literal["fallback", "error"] = "fallback"
     keep_dir: str | None = Field(default=None, description="where a failed compile saves its IR")
+    ukernel_convs: bool | None = Field(
+        default=None, description="cpu: conv chains on the AVX-512 VNNI microkernel (default: "
+                                  "when the host has VNNI and gcc)")
 
 
 class Recipe(_Strict):

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from qcompile.codegen import iree_cpu
-from qcompile.codegen.mlir_emit import EmitOptions, emit_module
+from qcompile.codegen import emit_ukernel, iree_cpu, ukernel
+from qcompile.codegen.mlir_emit import EmitOptions, emit
+from qcompile.errors import CompileError
 from qcompile.ir.graph import Graph
 from qcompile.ir.types import DType
 
@@ -33,6 +34,7 @@ class BatchModule:
     graph: Graph | None = None        # None when loaded from an artifact
     mlir: str | None = None
     driver: str = "local-task"        # IREE runtime driver (hip, vulkan for the GPU targets)
+    ukernel: dict[str, Any] | None = None   # the microkernel convs of this module
     _module: iree_cpu.Module | None = field(default=None, repr=False)
 
     def module(self) -> iree_cpu.Module:
@@ -41,8 +43,8 @@ class BatchModule:
         return self._module
 
 
-def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = None
-                  ) -> BatchModule:
+def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = None,
+                  uk: emit_ukernel.Support | None = None) -> BatchModule:
     """Emit and compile ``graph``; on failure walk the workaround ladder:
 
     1. fast flags (data tiling + inner-tiled VNNI path);
@@ -52,23 +54,45 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
     3. the flag sets of :data:`iree_cpu.WORKAROUNDS`: no inner-tiled path (contractions then
        emitted s8 × s8 for IREE's mmt4d ukernels, several times slower than the u8 path but far
        faster than untiled code), then no data tiling.
-    """
+
+    With the VNNI conv microkernel (``uk.obj``), each step is tried with it first and then with
+    the stock conv lowering (workaround ``stock-convs``)."""
     ladder = [(None, iree_cpu.FAST_FLAGS, EmitOptions()),
               ("split-dequant-epilogues", iree_cpu.FAST_FLAGS, EmitOptions(split_dequant=True)),
               *((name, flags, EmitOptions(s8_contractions=name == "no-inner-tiled"))
                 for name, flags in iree_cpu.WORKAROUNDS)]
-    texts: dict[EmitOptions, str] = {}
+    texts: dict[EmitOptions, tuple[str, list[emit_ukernel.UkCall], dict[str, int]]] = {}
     errors: list[str] = []
-    for workaround, extra, opts in ladder:
-        if opts not in texts:
-            texts[opts] = emit_module(graph, opts).operation.get_asm(enable_debug_info=True)
+    first: tuple[str, tuple[str, ...]] | None = None
+    for workaround, extra, stock_opts in ladder:
         flags = (*iree_cpu.TARGET_FLAGS, *extra)
-        got = iree_cpu.try_compile(texts[opts], flags)
-        if isinstance(got, bytes):
-            return BatchModule(batch, got, flags, workaround, graph, texts[opts])
-        errors.append(got)
-    raise iree_cpu.failure(texts[EmitOptions()], (*iree_cpu.TARGET_FLAGS, *iree_cpu.FAST_FLAGS),
-                           errors, keep_dir, f"{graph.name}.b{batch}")
+        for opts in ([replace(stock_opts, ukernel_convs=True)] if uk and uk.obj else []) + \
+                [stock_opts]:
+            if opts not in texts:
+                module, em = emit(graph, opts)
+                texts[opts] = (module.operation.get_asm(enable_debug_info=True), em.uk_calls,
+                               em.uk_stock)
+            text, calls, stock = texts[opts]
+            if opts.ukernel_convs and not calls:
+                continue                  # nothing to lower: the stock try is the same module
+            name = workaround
+            if calls:
+                try:
+                    assert uk is not None and uk.obj is not None
+                    text = emit_ukernel.link(text, calls, uk.obj, ukernel.host_target(flags))
+                except CompileError as err:
+                    errors.append(str(err))
+                    continue
+            elif uk and uk.obj:
+                name = "+".join(x for x in (workaround, "stock-convs") if x)
+            first = first or (text, flags)
+            got = iree_cpu.try_compile(text, flags)
+            if isinstance(got, bytes):
+                info = {"convs": len(calls), "lowered": [c.loc for c in calls], "stock": stock}
+                return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
+            errors.append(got)
+    assert first is not None
+    raise iree_cpu.failure(first[0], first[1], errors, keep_dir, f"{graph.name}.b{batch}")
 
 
 def pieces(n: int, sizes: Sequence[int]) -> list[int]:
@@ -124,18 +148,39 @@ class CpuRunner:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def build(graphs: dict[int, Graph], *, keep_dir: str | Path | None = None
-          ) -> tuple[CpuRunner, dict[str, Any]]:
-    """Compile one module per batch size; returns the runner and a compile report."""
+def build(graphs: dict[int, Graph], *, keep_dir: str | Path | None = None,
+          ukernel_convs: bool | None = None) -> tuple[CpuRunner, dict[str, Any]]:
+    """Compile one module per batch size; returns the runner and a compile report.
+    ``ukernel_convs``: the VNNI conv microkernel (None: where the host supports it)."""
     modules: dict[int, BatchModule] = {}
     times: dict[str, float] = {}
+    uk = emit_ukernel.support(ukernel_convs)
     for batch, graph in sorted(graphs.items()):
         t0 = time.perf_counter()
-        modules[batch] = compile_graph(graph, batch, keep_dir=keep_dir)
+        modules[batch] = compile_graph(graph, batch, keep_dir=keep_dir, uk=uk)
         times[str(batch)] = round(time.perf_counter() - t0, 3)
     first = graphs[min(graphs)]
     outputs = [OutputSpec(o.dtype.value, tuple(o.shape[1:])) for o in first.outputs]
     report = {"batch_sizes": sorted(modules), "compile_s_per_batch": times,
               "workarounds": {str(b): m.workaround for b, m in modules.items() if m.workaround},
-              "flags": list(modules[min(modules)].flags)}
+              "flags": list(modules[min(modules)].flags),
+              "ukernel": ukernel_report(uk, modules)}
     return CpuRunner(modules, outputs), report
+
+
+def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) -> dict[str, Any]:
+    """``used``, ``why`` (not), the count of convs lowered per batch size, and for the largest
+    batch which convs took it and why the others kept the stock lowering."""
+    infos = {b: m.ukernel for b, m in modules.items() if m.ukernel is not None}
+    counts = {str(b): i["convs"] for b, i in sorted(infos.items())}
+    used = any(counts.values())
+    why = uk.why
+    if uk.obj is not None and not used:
+        failed = any("stock-convs" in (m.workaround or "") for m in modules.values())
+        why = ("it failed to compile; the stock lowering is used (see workarounds)" if failed
+               else "no conv chain here is one the microkernel supports")
+    out: dict[str, Any] = {"used": used, "why": why, "convs": counts}
+    if infos:
+        last = infos[max(infos)]
+        out.update(lowered=last["lowered"], stock=last["stock"])
+    return out

@@ -25,7 +25,15 @@ from iree.compiler.dialects import arith, linalg
 
 from qcompile.codegen import builder as b
 from qcompile.codegen.builder import TV
-from qcompile.codegen.mlir_emit import Acc, Emitter, Value, emits, materialize, unsupported
+from qcompile.codegen.mlir_emit import (
+    Acc,
+    Emitter,
+    Pending,
+    Value,
+    emits,
+    materialize,
+    unsupported,
+)
 from qcompile.ir.graph import Node, Op
 from qcompile.ir.types import DType
 
@@ -111,6 +119,8 @@ def _qconv(em: Emitter, n: Node, v: list[Value]) -> Value:
     a = n.attrs
     nchw = a.get("layout") != "nhwc"
     x = materialize(v[0])
+    if id(n) in em.uk_chains:
+        return Pending(x)
     if nchw:
         x = b.transpose(x, (0, 2, 3, 1))
     x, zp = as_u8(x, a.x_zp)

@@ -20,11 +20,13 @@ _ALIAS = re.compile(r"^(#loc\d*) = (loc\(.*\))\s*$", re.M)
 _NAME = re.compile(r'"qir(\d+)(\.copy)?"')
 _REF = re.compile(r"#loc\d*\b")
 _EXEC = re.compile(r"^  flow\.executable private @(\w+) \{$", re.M)
-_DISPATCH = re.compile(r"flow\.dispatch @(\w+)::@(\w+)\(([^)]*)\) : (.*)$", re.M)
+# the VNNI conv microkernel's executables are named by their chain (emit_ukernel.emit)
+_UKERNEL = re.compile(r"^  hal\.executable private @(qk_conv_(\d+)_(\d+)) \{$", re.M)
+_DISPATCH = re.compile(r"flow\.dispatch @(\w+)::(?:@\w+::)?@(\w+)\(([^)]*)\) : (.*)$", re.M)
 # the ops that compute: a linalg.generic (its location follows its region) or a slice copy;
 # constants, fills and empties are CSE'd across chains and keep whichever location came first
 _COMPUTE = re.compile(r"^\s*\} -> .*$|^.*tensor\.(?:insert|extract)_slice.*$", re.M)
-_END = re.compile(r"^  (?:util\.func|func\.func|flow\.executable)", re.M)
+_END = re.compile(r"^  (?:util\.func|func\.func|flow\.executable|hal\.executable)", re.M)
 _ELEM = re.compile(r"tensor<(?:[\dx?]+x)?(i8|i32|f32|i64|i1)\b")
 
 
@@ -45,6 +47,8 @@ def parse_flow(flow: str) -> tuple[dict[str, set[tuple[int, bool]]], list[dict[s
         nxt = _END.search(flow, m.end())
         body = flow[m.end():nxt.start() if nxt else len(flow)]
         execs[m.group(1)] = _resolve("\n".join(_COMPUTE.findall(body)), aliases, set())
+    for m in _UKERNEL.finditer(flow):
+        execs[m.group(1)] = {(int(m.group(2)), False), (int(m.group(3)), False)}
     calls = [{"executable": m.group(1), "entry": m.group(2),
               "writes": sorted(set(_ELEM.findall(_result_types(m))))}
              for m in _DISPATCH.finditer(flow)]

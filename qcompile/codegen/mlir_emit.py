@@ -35,7 +35,15 @@ class Acc:
     axis: int
 
 
-Value = TV | Acc
+@dataclass(frozen=True)
+class Pending:
+    """A conv whose chain the VNNI microkernel computes (:mod:`qcompile.codegen.emit_ukernel`):
+    its activation, handed to the requantize that ends the chain (its only reader)."""
+
+    x: TV
+
+
+Value = TV | Acc | Pending
 Emit = Callable[["Emitter", Node, list[Value]], Value]
 _EMITTERS: dict[Op, Emit] = {}
 
@@ -68,10 +76,14 @@ class EmitOptions:
 
     ``split_dequant``: fence contractions from their dequantize epilogues. ``s8_contractions``:
     contractions as s8 × s8 (activations flipped, zero point - 128), the form IREE's mmt4d
-    ukernels take when the u8 inner-tiled path is off (u8 × s8 then falls to untiled code)."""
+    ukernels take when the u8 inner-tiled path is off (u8 × s8 then falls to untiled code).
+    ``ukernel_convs``: conv → requantize chains the VNNI microkernel supports become its
+    dispatch (:mod:`qcompile.codegen.emit_ukernel`); the module text then needs
+    :func:`qcompile.codegen.emit_ukernel.link` before iree-compile."""
 
     split_dequant: bool = False
     s8_contractions: bool = False
+    ukernel_convs: bool = False
 
 
 class Emitter:
@@ -80,6 +92,12 @@ class Emitter:
         self.opts = opts or EmitOptions()
         self.ids = {id(n): k for k, n in enumerate(graph.nodes())}
         self.users = graph.users()
+        from qcompile.codegen import emit_ukernel
+
+        self.uk_chains, self.uk_stock = emit_ukernel.plan(graph, self.users) \
+            if self.opts.ukernel_convs else ({}, {})
+        self.uk_calls: list[emit_ukernel.UkCall] = []
+        self.module: ir.Module | None = None
 
     def loc(self, n: Node, part: str = "") -> ir.Location:
         return ir.Location.name(f"qir{self.ids[id(n)]}{part}")
@@ -107,11 +125,17 @@ def unsupported(n: Node, why: str) -> CompileError:
 
 def emit_module(graph: Graph, opts: EmitOptions | None = None) -> ir.Module:
     """The MLIR module of ``graph`` with one public function ``main`` (inputs → outputs)."""
+    return emit(graph, opts)[0]
+
+
+def emit(graph: Graph, opts: EmitOptions | None = None) -> tuple[ir.Module, Emitter]:
+    """The module and its emitter (which holds the microkernel calls to link)."""
     _load_emitters()
     ctx = ir.Context()
     with ctx, ir.Location.unknown():
         module = ir.Module.create()
         em = Emitter(graph, opts)
+        em.module = module
         arg_types = [b.tensor_type(n.shape, n.dtype) for n in graph.inputs]
         with ir.InsertionPoint(module.body):
             @func.FuncOp.from_py_func(*arg_types, name="main")
@@ -127,7 +151,7 @@ def emit_module(graph: Graph, opts: EmitOptions | None = None) -> ir.Module:
             del main
         if not module.operation.verify():
             raise CompileError("cpu: the emitted MLIR does not verify", why=str(module)[:2000])
-    return module
+    return module, em
 
 
 # -- shared scalar rules -------------------------------------------------------------------
@@ -136,6 +160,9 @@ def materialize(v: Value) -> TV:
     """The i32 value of an :class:`Acc` with its bias added (when a non-epilogue reads it)."""
     if isinstance(v, TV):
         return v
+    if isinstance(v, Pending):
+        raise CompileError("cpu: a microkernel conv's accumulator has another reader",
+                           why="emit_ukernel.plan selected a chain it should not have")
     if v.bias is None:
         return v.tv
     table = b.constant(v.bias.astype(np.int32), DType.I32)
@@ -166,6 +193,10 @@ def _const(em: Emitter, n: Node, v: list[Value]) -> Value:
 def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
     """``clamp(round_shift(sum (x_i + bias_i - z_i) * M_i[c], s[c]) + zp)`` in i64."""
     rq: Requant = n.attrs.rq
+    if isinstance(v[0], Pending):
+        from qcompile.codegen import emit_ukernel
+
+        return emit_ukernel.emit(em, n, v[0].x, materialize(v[1]) if len(v) == 2 else None)
     # an int8 residual operand is fenced: otherwise IREE pulls its producer's epilogue into this
     # dispatch and writes that producer's i32 accumulator to memory instead
     tvs = [x.tv if isinstance(x, Acc) else (b.barrier(x) if i and _is_epilogue(n.src[i])

@@ -19,12 +19,14 @@ class CompileOptions:
     """``batch_sizes``: the modules to build (1 is added for dynamic-batch models; other sizes run
     in pieces). ``float_ops``: the integer-only gate's policy. ``keep_dir``: where a failed
     compile leaves its MLIR (default: the current directory). ``analyze``: run the dispatch
-    analysis (one extra ``--compile-to=flow`` per batch size)."""
+    analysis (one extra ``--compile-to=flow`` per batch size). ``ukernel_convs``: lower conv
+    chains to the AVX-512 VNNI microkernel (None: when the host has VNNI and gcc)."""
 
     batch_sizes: tuple[int, ...] = (1,)
     float_ops: str = "fallback"
     keep_dir: str | None = None
     analyze: bool = True
+    ukernel_convs: bool | None = None
 
 
 def batch_sizes(q: QuantizedModel, wanted: tuple[int, ...]) -> tuple[int, ...]:
@@ -48,7 +50,8 @@ def compile_cpu(q: QuantizedModel, options: CompileOptions | None = None) -> Com
     lowered = {b: lower(q, b, float_ops=options.float_ops) for b in sizes}
     lower_s = time.perf_counter() - t0
     runner, compile_report = cpu.build({b: r.graph for b, r in lowered.items()},
-                                       keep_dir=options.keep_dir)
+                                       keep_dir=options.keep_dir,
+                                       ukernel_convs=options.ukernel_convs)
     first = lowered[sizes[0]]
     report: dict[str, Any] = {"passes": first.stats, "residency": residency(first.graph),
                               "compile": {**compile_report, "lower_s": round(lower_s, 3)}}

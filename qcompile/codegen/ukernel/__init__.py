@@ -177,8 +177,9 @@ def host_target(flags: tuple[str, ...]) -> str:
 
 
 def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: int,
-                    residual: bool, target: str) -> str:
-    """A ``hal.executable`` @name with export @conv: bindings (x, w, params[, res], y)."""
+                    residual: bool, target: str, entry: str = "conv") -> str:
+    """A ``hal.executable`` @name, variant @x86, export @entry: bindings (x, w, params[, res],
+    y). Executables of one module need distinct entries (they are linked into one library)."""
     ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
     if residual:
         ins.append(("i8", s.n * s.oh * s.ow * s.f))
@@ -206,7 +207,7 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
   hal.executable private @{name} {{
     hal.executable.variant public @x86 target({target})
         objects([#hal.executable.object<{{path = "{obj}"}}>]) {{
-      hal.executable.export public @conv ordinal(0) layout({layout})
+      hal.executable.export public @{entry} ordinal(0) layout({layout})
           count(%device: !hal.device) -> (index, index, index) {{
         %x = arith.constant {s.blocks} : index
         %y = arith.constant {s.oh} : index
@@ -215,7 +216,7 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
       }}
       builtin.module {{
         func.func private @{SYMBOL}({decl}) attributes {{hal.import.static, llvm.bareptr = true}}
-        func.func @conv() {{
+        func.func @{entry}() {{
           %c0 = arith.constant 0 : index
           %wx = hal.interface.workgroup.id[0] : index
           %wy = hal.interface.workgroup.id[1] : index
