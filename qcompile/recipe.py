@@ -32,7 +32,9 @@ from qcompile.errors import RecipeError
 RECIPE_VERSION = 1
 TARGETS = ("pt2e", "reference", "cpu", "cuda", "rocm", "vulkan", "ort")
 PEERS = ("eager_fp32", "inductor_fp32", "pt2e_inductor_int8", "ort_fp32", "ort_int8",
-         "iree_qdq", "qcompile")
+         "iree_qdq", "qcompile", "qcompile_stock")
+# qcompile_stock (cpu with the stock conv lowering, no VNNI microkernel) only when asked for
+DEFAULT_PEERS = PEERS[:-1]
 MAX_RECIPE_BYTES = 1 << 20
 MAX_NESTING = 64        # recipes nest 3 deep; PyYAML's composer recurses once per level
 # recipe names become folder names (out/<name>): one portable path component
@@ -212,7 +214,7 @@ class AccuracySection(_Strict):
 
 
 class BenchmarkSection(_Strict):
-    peers: list[Literal[PEERS]] = Field(default_factory=lambda: list(PEERS))  # type: ignore[valid-type]
+    peers: list[Literal[PEERS]] = Field(default_factory=lambda: list(DEFAULT_PEERS))  # type: ignore[valid-type]
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 8])
     warmup: int = Field(default=3, ge=0, le=1000)
     repeats: int = Field(default=20, ge=1, le=100_000)

@@ -1,6 +1,8 @@
-"""The standalone VNNI conv microkernel (qcompile/codegen/ukernel, not wired into the emitter):
-bit-exact with the reference interpreter through IREE on small odd shapes. Skipped without gcc or
-AVX-512 VNNI."""
+"""The VNNI conv microkernel (qcompile/codegen/ukernel): standalone, bit-exact with the reference
+interpreter through IREE on small odd shapes; wired into target cpu (emit_ukernel), bit-exact on
+the chain table at batch 1 and 4 with the report naming the convs it lowered, the stock lowering
+still exact with it forced off, saved artifacts that run, and the fallbacks when it cannot be
+used. Skipped without gcc or AVX-512 VNNI (except the tests of why it is not used)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cpu_target import _assert_bit_exact, _quantized
+from test_reference import KINDS
 
-from qcompile.codegen import iree_cpu, ukernel
+from qcompile.codegen import emit_ukernel, iree_cpu, ukernel
+from qcompile.codegen.target import CompileOptions, compile_cpu
+from qcompile.frontend.quantize import QuantizeConfig
 from qcompile.reference import interpreter
+from qcompile.runtime import artifact
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None or not ukernel.host_has_vnni(),
+needs_vnni = pytest.mark.skipif(shutil.which("gcc") is None or not ukernel.host_has_vnni(),
                                 reason="needs gcc and an AVX-512 VNNI host")
+QCOMPILE = QuantizeConfig(quantizer="qcompile")
+GROUPED = {"depthwise", "grouped"}
 
 _spec = importlib.util.spec_from_file_location(
     "ukernel_conv_bench", Path(__file__).resolve().parent.parent / "scripts" /
@@ -24,6 +33,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
+@needs_vnni
 @pytest.mark.parametrize("name", ["9x11x6-40-3x3s2+res", "7x7x5-19-1x1s1"])
 def test_microkernel_conv__bit_exact_with_reference(name):
     h, w, c, f, k, s, p, residual = bench.CHECKS[name]
@@ -37,3 +47,113 @@ def test_microkernel_conv__bit_exact_with_reference(name):
     got = iree_cpu.Module(bench.compile_mlir(text, iree_cpu.FAST_FLAGS))(
         *[a.view(np.int8) for a in inputs])[0]
     np.testing.assert_array_equal(got.view(np.uint8), interpreter.run(g, *inputs)[0])
+
+
+def _compile(kind: str, ukernel_convs: bool | None, config: QuantizeConfig = QCOMPILE):
+    q, x = _quantized(kind, config)
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False,
+                                          ukernel_convs=ukernel_convs))
+    return model, x
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", KINDS)
+def test_chain__ukernel_cpu_equals_reference_bit_for_bit(kind):
+    model, x = _compile(kind, True)
+    _assert_bit_exact(model, x)                        # batch 1 and 4
+    rep = model.report["compile"]["ukernel"]
+    # Chain: stem (3 -> 8, 3x3), conv (8 -> 8, grouped in two kinds), mix (1x1, after the cat)
+    want = ["stem conv2d", *([] if kind in GROUPED else ["conv conv2d_1"]),
+            *(["mix conv2d_2"] if kind == "cat" else [])]
+    assert rep["used"] and rep["convs"] == {"1": len(want), "4": len(want)}
+    assert [loc.split(" ", 1)[1] for loc in rep["lowered"]] == want
+    assert rep["stock"] == ({"grouped or depthwise conv": 1} if kind in GROUPED else {})
+    assert model.report["compile"]["workarounds"] == {}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chain__ukernel_off__stock_lowering_equals_reference(kind):
+    model, x = _compile(kind, False)
+    _assert_bit_exact(model, x)
+    rep = model.report["compile"]["ukernel"]
+    assert not rep["used"] and rep["convs"] == {"1": 0, "4": 0}
+    assert rep["why"] == "off (compile option ukernel_convs: false)"
+
+
+@needs_vnni
+@pytest.mark.parametrize("config", [
+    QuantizeConfig(quantizer="qcompile", activations="per_tensor_symmetric"),  # s8 activations
+    QuantizeConfig(quantizer="x86"),                  # float islands: dequant epilogues stay
+], ids=["int8-activations", "x86-float-islands"])
+def test_chain_variants__ukernel_where_supported(config):
+    model, x = _compile("add_relu", True, config)
+    rep = model.report["compile"]["ukernel"]
+    graph = model.runner.modules[4].graph
+    got = model.runner.modules[4].module()(x.numpy())
+    want = interpreter.run(graph, x.numpy())
+    if config.quantizer == "qcompile":
+        np.testing.assert_array_equal(got[0], want[0])
+        assert rep["convs"] == {"1": 2, "4": 2}
+    else:
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert any("not a requantize" in why for why in rep["stock"])
+
+
+@needs_vnni
+def test_ukernel_chains__one_dispatch_each_writing_int8():
+    from qcompile.codegen import cpu
+    from qcompile.codegen.target import analyze_kernels
+    from qcompile.reference.program import lower
+
+    q, _ = _quantized("add_relu", QCOMPILE)
+    runner, _ = cpu.build({4: lower(q, 4).graph}, ukernel_convs=True)
+    k = analyze_kernels(runner)
+    assert k["by_kind"]["conv"] == 2 and k["max_per_chain"] == 1 and k["i32_writes"] == 0
+    assert "hal.executable private @qk_conv_" in runner.modules[4].mlir
+
+
+@needs_vnni
+def test_ukernel_artifact__saved_and_reloaded_runs_bit_exactly(tmp_path):
+    model, x = _compile("add", True)
+    path = artifact.save(model, tmp_path / "m.qca")
+    loaded = artifact.load(path)
+    for b in (1, 4):
+        np.testing.assert_array_equal(loaded(x[:b]).numpy(), model(x[:b]).numpy())
+    np.testing.assert_array_equal(
+        loaded(x[:1]).numpy(),
+        interpreter.run(model.runner.modules[1].graph, x[:1].numpy())[0])
+
+
+@needs_vnni
+def test_ukernel_compile_failure__falls_back_to_stock_convs(monkeypatch):
+    real = emit_ukernel.link
+    monkeypatch.setattr(emit_ukernel, "link", lambda text, calls, obj, target: real(
+        text, calls, Path("/nonexistent/conv_vnni.o"), target))
+    model, x = _compile("relu", True)
+    assert model.report["compile"]["workarounds"] == {"1": "stock-convs", "4": "stock-convs"}
+    rep = model.report["compile"]["ukernel"]
+    assert not rep["used"] and "failed to compile" in rep["why"]
+    _assert_bit_exact(model, x)
+
+
+def test_ukernel_support__says_why_not(monkeypatch):
+    assert emit_ukernel.support(False).obj is None
+    monkeypatch.setattr(ukernel, "host_has_vnni", lambda: False)
+    got = emit_ukernel.support(None)
+    assert got.obj is None and "no AVX-512 VNNI" in got.why
+    monkeypatch.setattr(ukernel, "host_has_vnni", lambda: True)
+    monkeypatch.setenv("QCOMPILE_CC", "no-such-gcc")
+    got = emit_ukernel.support(True)
+    assert got.obj is None and "gcc not found" in got.why
+
+
+def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkeypatch):
+    monkeypatch.setattr(ukernel, "host_has_vnni", lambda: False)
+    q, x = _quantized("relu", QCOMPILE)
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1,), analyze=False))
+    rep = model.report["compile"]["ukernel"]
+    assert rep == {"used": False, "why": rep["why"], "convs": {"1": 0},
+                   "lowered": [], "stock": {}}
+    assert "no AVX-512 VNNI" in rep["why"]
+    np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
+        model.runner.modules[1].graph, x[:1].numpy())[0])

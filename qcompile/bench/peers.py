@@ -139,10 +139,19 @@ def qcompile_cpu(ctx: Context) -> Call:
     return compile_cpu(ctx.quantized, CompileOptions(batch_sizes=ctx.batch_sizes))
 
 
+def qcompile_stock(ctx: Context) -> Call:
+    """qcompile ``cpu`` with every conv on the stock lowering (im2col + IREE GEMM): what the VNNI
+    conv microkernel gains, measured in the same run."""
+    from qcompile.codegen.target import CompileOptions, compile_cpu
+
+    return compile_cpu(ctx.quantized, CompileOptions(batch_sizes=ctx.batch_sizes,
+                                                     ukernel_convs=False))
+
+
 BUILDERS: dict[str, Callable[[Context], Call]] = {
     "eager_fp32": eager_fp32, "inductor_fp32": inductor_fp32,
     "pt2e_inductor_int8": pt2e_inductor_int8, "ort_fp32": ort_fp32, "ort_int8": ort_int8,
-    "iree_qdq": iree_qdq, "qcompile": qcompile_cpu,
+    "iree_qdq": iree_qdq, "qcompile": qcompile_cpu, "qcompile_stock": qcompile_stock,
 }
 
 
