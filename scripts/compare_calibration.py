@@ -27,6 +27,7 @@ import yaml
 from calibration.methods import METHODS, check_method_options, method_options
 from qcompile.pipeline import run_recipe
 from qcompile.recipe import Recipe, load_recipe, recipe_from_dict
+from qcompile.runtime.artifact import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPES = [ROOT / "recipes" / "efficientnet_lite0.yaml", ROOT / "recipes" / "minilm.yaml"]
@@ -128,7 +129,7 @@ def machine() -> dict[str, Any]:
     from qcompile.pipeline import versions
 
     return {"date": time.strftime("%Y-%m-%d"), "host": platform.machine(),
-            "processor": _cpu_name(), "cpus": os.cpu_count(), "torch_threads": _threads(),
+            "processor": cpu_model(), "cpus": os.cpu_count(), "torch_threads": _threads(),
             "load_start": _load(), "versions": versions(), "commit": _commit()}
 
 
@@ -145,16 +146,6 @@ def _commit() -> str | None:
         return head + ("+dirty" if git("status", "--porcelain", "-uno") else "") if head else None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _threads() -> int:

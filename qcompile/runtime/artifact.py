@@ -255,10 +255,11 @@ def _bad(path: Path, why: str) -> ArtifactError:
 
 def host_id() -> str:
     """The host CPU IREE compiles for (``--iree-llvmcpu-target-cpu=host``)."""
-    return f"{platform.machine()}:{_cpu_model()}"
+    return f"{platform.machine()}:{cpu_model()}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
