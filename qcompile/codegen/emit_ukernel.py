@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from iree.compiler import ir
@@ -34,6 +35,9 @@ from qcompile.codegen import ukernel
 from qcompile.codegen.builder import TV
 from qcompile.ir.graph import Graph, Node, Op
 from qcompile.ir.types import DType
+
+if TYPE_CHECKING:
+    from qcompile.codegen.mlir_emit import Emitter
 
 PREFIX = "qk_conv_"
 
@@ -98,7 +102,7 @@ def _flat(x: TV) -> TV:
     return b.reshape(x, (int(np.prod(x.shape)),))
 
 
-def emit(em, rq_node: Node, x: TV, res: TV | None) -> TV:  # type: ignore[no-untyped-def]
+def emit(em: Emitter, rq_node: Node, x: TV, res: TV | None) -> TV:
     """The microkernel dispatch of the chain ``rq_node.src[0] → rq_node`` on input ``x`` (the
     conv's activation) with the residual operand ``res``."""
     from qcompile.codegen.emit_contract import _weights_ohwi, as_u8, folded_bias
@@ -116,7 +120,7 @@ def emit(em, rq_node: Node, x: TV, res: TV | None) -> TV:  # type: ignore[no-unt
     s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
                           rq_node.shape[1], rq_node.shape[2])
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
-    extra = {}
+    extra: dict[str, Any] = {}
     operands = [_flat(xp), b.constant(ukernel.pack_weights(w), DType.I8)]
     if res is not None:
         extra = dict(m1=np.asarray(rq.terms[1].multiplier, np.int64),
@@ -133,9 +137,10 @@ def emit(em, rq_node: Node, x: TV, res: TV | None) -> TV:  # type: ignore[no-unt
     return b.reshape(out, rq_node.shape)
 
 
-def _call(em, name: str, operands: Sequence[TV], size: int, dtype: DType) -> TV:  # type: ignore[no-untyped-def]
+def _call(em: Emitter, name: str, operands: Sequence[TV], size: int, dtype: DType) -> TV:
     """``func.call`` of a private declaration ``name`` (replaced by :func:`link`)."""
     out_t = b.tensor_type((size,), dtype)
+    assert em.module is not None
     with ir.InsertionPoint(em.module.body):
         func.FuncOp(name, ([o.value.type for o in operands], [out_t]), visibility="private")
     call = func.CallOp([out_t], ir.FlatSymbolRefAttr.get(name), [o.value for o in operands])
