@@ -34,9 +34,9 @@ def quantized_block() -> QuantizedModel:
     return quantize(Block().eval(), batches[0], batches, QuantizeConfig(quantizer="qcompile"))
 
 
-class SoftmaxIsland(nn.Module):
-    """conv → softmax over the last axis → conv: softmax has no int8 lowering, so it stays a
-    float op between two int8 chains (a fallback, or an error under ``float_ops: error``)."""
+class FloatIsland(nn.Module):
+    """conv → layer_norm over the last axis → conv: layer_norm has no int8 lowering, so it stays
+    a float op between two int8 chains (a fallback, or an error under ``float_ops: error``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,12 +44,13 @@ class SoftmaxIsland(nn.Module):
         self.b = nn.Conv2d(8, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.softmax(self.a(x), dim=-1))
+        y = self.a(x)
+        return self.b(nn.functional.layer_norm(y, y.shape[-1:]))
 
 
-def softmax_island() -> nn.Module:
+def float_island() -> nn.Module:
     torch.manual_seed(0)
-    return SoftmaxIsland().eval()
+    return FloatIsland().eval()
 
 
 def block() -> nn.Module:
