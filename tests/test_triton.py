@@ -215,18 +215,6 @@ def test_zoo_cnn_at_batch_1__interpreted_kernels_equal_reference(name):
 
 # -- (b) ahead-of-time compile for sm_80 / sm_90, no GPU ---------------------------------------
 
-@pytest.fixture(scope="module")
-def triton_cache(tmp_path_factory):
-    """A fresh Triton cache: every AOT compile below really runs (no cached PTX)."""
-    old = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    yield
-    if old is None:
-        os.environ.pop("TRITON_CACHE_DIR")
-    else:
-        os.environ["TRITON_CACHE_DIR"] = old
-
-
 def _contraction_steps(graph: Graph):
     program = lower_graph(graph, loader.kernels(False), CPU)
     return [s for s in program.launches() if s.launch.kernel in ("conv2d_igemm", "gemm")]

@@ -7,7 +7,6 @@ first-launch path runs a stand-in kernels module that raises what Triton's launc
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -34,18 +33,6 @@ from qcompile.reference.program import lower
 pytest.importorskip("triton")
 CPU = torch.device("cpu")
 CASE = "compiler-fault cases"
-
-
-@pytest.fixture(scope="module")
-def triton_cache(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """A fresh Triton cache: a cached kernel would not reach the stage a test breaks."""
-    old = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    yield
-    if old is None:
-        os.environ.pop("TRITON_CACHE_DIR")
-    else:
-        os.environ["TRITON_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="module")
