@@ -132,7 +132,7 @@ def check_model(name: str, batches: list[int], interpret: bool, device: torch.de
         entry: dict[str, Any] = {}
         xd = x.to(device)
         t = time.perf_counter()
-        got = [o.cpu().numpy() for o in program.run_device([xd])]     # kernels JIT-compiled in build_s
+        got = [o.cpu().numpy() for o in program.run_device([xd])]  # JIT ran in build_s
         entry["first_run_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
         want = interpreter.run(graph, x.numpy())
