@@ -66,6 +66,7 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
     first: tuple[str, tuple[str, ...]] | None = None
     for workaround, extra, stock_opts in ladder:
         flags = (*iree_cpu.TARGET_FLAGS, *extra)
+        tried_ukernel = False             # this step's microkernel module failed: stock convs
         for opts in ([replace(stock_opts, ukernel_convs=True)] if uk and uk.obj else []) + \
                 [stock_opts]:
             if opts not in texts:
@@ -77,14 +78,14 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
                 continue                  # nothing to lower: the stock try is the same module
             name = workaround
             if calls:
+                tried_ukernel = True
                 try:
                     assert uk is not None and uk.obj is not None
                     text = emit_ukernel.link(text, calls, uk.obj, ukernel.host_target(flags))
                 except CompileError as err:
                     errors.append(str(err))
                     continue
-            elif uk and uk.obj and texts.get(replace(opts, ukernel_convs=True), ("", []))[1]:
-                # the microkernel module of this step failed: stock convs are the workaround
+            elif tried_ukernel:
                 name = "+".join(x for x in (workaround, "stock-convs") if x)
             first = first or (text, flags)
             got = iree_cpu.try_compile(text, flags)

@@ -14,6 +14,8 @@ scalar constant (attention's ``scores * 1/sqrt(d)``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -35,7 +37,7 @@ class UnaryToLut(RewritePass):
 
         fn = float_fn(inner)
         if inner.op in SCALAR_ARITH:
-            found = _with_scalar(inner)
+            found = _with_scalar(inner, fn)
             if found is None:
                 return None
             x, fn = found
@@ -49,15 +51,13 @@ class UnaryToLut(RewritePass):
                     fn=inner.op.value, loc=inner.loc)
 
 
-def _with_scalar(n: Node) -> tuple[Node, object] | None:
-    """``(x, v -> op(v, c))`` when ``n`` is ``op(x, c)`` or ``op(c, x)`` with ``c`` a one-element
+def _with_scalar(n: Node, fn: Callable[..., torch.Tensor]
+                 ) -> tuple[Node, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """``(x, v -> fn(v, c))`` when ``n`` is ``op(x, c)`` or ``op(c, x)`` with ``c`` a one-element
     float constant (operand order kept: ``c - x`` is not ``x - c``)."""
     if len(n.src) != 2:
         return None
     a, b = n.src
-    from qcompile.reference.interpreter import float_fn
-
-    fn = float_fn(n)
     for i, (x, c) in enumerate(((a, b), (b, a))):
         if c.op is Op.CONST and c.dtype.is_float and np.asarray(c.attrs.value).size == 1 \
                 and dequant_of(x) is not None:
