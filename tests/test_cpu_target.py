@@ -129,3 +129,38 @@ def test_pieces__split_largest_first():
     assert cpu.pieces(8, [1, 8]) == [8]
     with pytest.raises(ValueError, match="fits no compiled size"):
         cpu.pieces(3, [2])
+
+
+# the batch GEMM form of QMATMUL (u8 × s8 plus rank-1 zero-point corrections): every operand
+# dtype, zero or non-zero zero points, a Kᵀ operand read in place, and a broadcast batch (the
+# direct form)
+@pytest.mark.parametrize("a_dt,b_dt,a_zp,b_zp,transposed,b_batch", [
+    ("u8", "u8", 131, 7, True, (1, 3)),
+    ("i8", "u8", -5, 0, False, (1, 3)),
+    ("u8", "i8", 0, -3, True, (1, 3)),
+    ("i8", "i8", 0, 0, False, (1, 3)),
+    ("u8", "i8", 200, 100, False, (1,)),
+])
+def test_qmatmul__cpu_equals_reference_bit_for_bit(a_dt, b_dt, a_zp, b_zp, transposed, b_batch):
+    from qcompile.ir import qmath
+    from qcompile.ir.graph import Graph, Op, node
+    from qcompile.ir.types import DType, QParams
+
+    rng = np.random.default_rng(3)
+    da, db = DType(a_dt), DType(b_dt)
+    a = node(Op.INPUT, da, (1, 3, 20, 40), name="a")
+    b_shape = (*b_batch, 24, 40) if transposed else (*b_batch, 40, 24)
+    bin_ = node(Op.INPUT, db, b_shape, name="b")
+    rhs = node(Op.PERMUTE, db, (*b_batch, 40, 24), bin_, dims=(0, 1, 3, 2)[:len(b_shape)]
+               if len(b_shape) == 4 else (0, 2, 1)) if transposed else bin_
+    mm = node(Op.QMATMUL, DType.I32, (1, 3, 20, 24), a, rhs, a_zp=a_zp, b_zp=b_zp)
+    out = QParams(DType.U8, (1.0,), (128,), 0, 255)
+    q = node(Op.REQUANT, DType.U8, mm.shape, mm, rq=qmath.make_requant([[3e-4]], [0], out, axis=None))
+    graph = Graph("qmatmul", (a, bin_), (q, mm))
+    inputs = [rng.integers(*da.range, endpoint=True, size=a.shape).astype(da.np),
+              rng.integers(*db.range, endpoint=True, size=b_shape).astype(db.np)]
+    module = cpu.compile_graph(graph, 1)
+    assert module.workaround is None
+    got = module.module()(*inputs)
+    for g, w in zip(got, interpreter.run(graph, *inputs), strict=True):
+        np.testing.assert_array_equal(g.view(w.dtype), w)

@@ -98,6 +98,7 @@ class Emitter:
             if self.opts.ukernel_convs else ({}, {})
         self.uk_calls: list[emit_ukernel.UkCall] = []
         self.module: ir.Module | None = None
+        self.values: dict[int, Value] = {}     # emitted so far (node id → value)
 
     def loc(self, n: Node, part: str = "") -> ir.Location:
         return ir.Location.name(f"qir{self.ids[id(n)]}{part}")
@@ -140,9 +141,9 @@ def emit(graph: Graph, opts: EmitOptions | None = None) -> tuple[ir.Module, Emit
         with ir.InsertionPoint(module.body):
             @func.FuncOp.from_py_func(*arg_types, name="main")
             def main(*args: ir.Value) -> list[ir.Value]:
-                values: dict[int, Value] = {
-                    id(n): TV(a, n.dtype, n.shape) for n, a in zip(graph.inputs, args,
-                                                                    strict=True)}
+                values = em.values
+                values.update({id(n): TV(a, n.dtype, n.shape)
+                               for n, a in zip(graph.inputs, args, strict=True)})
                 for n in graph.nodes():
                     if id(n) not in values:
                         values[id(n)] = em.emit_node(n, [values[id(s)] for s in n.src])
