@@ -151,11 +151,12 @@ def test_qmatmul__cpu_equals_reference_bit_for_bit(a_dt, b_dt, a_zp, b_zp, trans
     a = node(Op.INPUT, da, (1, 3, 20, 40), name="a")
     b_shape = (*b_batch, 24, 40) if transposed else (*b_batch, 40, 24)
     bin_ = node(Op.INPUT, db, b_shape, name="b")
-    rhs = node(Op.PERMUTE, db, (*b_batch, 40, 24), bin_, dims=(0, 1, 3, 2)[:len(b_shape)]
-               if len(b_shape) == 4 else (0, 2, 1)) if transposed else bin_
+    rhs = node(Op.PERMUTE, db, (*b_batch, 40, 24), bin_, dims=(0, 1, 3, 2)) if transposed \
+        else bin_
     mm = node(Op.QMATMUL, DType.I32, (1, 3, 20, 24), a, rhs, a_zp=a_zp, b_zp=b_zp)
     out = QParams(DType.U8, (1.0,), (128,), 0, 255)
-    q = node(Op.REQUANT, DType.U8, mm.shape, mm, rq=qmath.make_requant([[3e-4]], [0], out, axis=None))
+    q = node(Op.REQUANT, DType.U8, mm.shape, mm,
+             rq=qmath.make_requant([[3e-4]], [0], out, axis=None))
     graph = Graph("qmatmul", (a, bin_), (q, mm))
     inputs = [rng.integers(*da.range, endpoint=True, size=a.shape).astype(da.np),
               rng.integers(*db.range, endpoint=True, size=b_shape).astype(db.np)]
