@@ -167,7 +167,8 @@ def host_target(flags: tuple[str, ...]) -> str:
         src.write_text(_PROBE, encoding="utf-8")
         proc = iree_cpu._run([iree_cpu.iree_compile_path(), str(src), "-o", str(out),
                               "--compile-to=executable-sources", *flags])
-        text = out.read_text(encoding="utf-8") if proc.returncode == 0 else ""
+        # an interrupted iree-compile can exit 0 having removed its output (its SIGINT handler)
+        text = out.read_text(encoding="utf-8") if proc.returncode == 0 and out.exists() else ""
     m = re.search(r"hal\.executable\.variant public @\w+ target\((<.*?>)\)", text)
     if m is None:
         raise CompileError("cpu: cannot read the host executable target from iree-compile",
