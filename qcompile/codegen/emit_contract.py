@@ -40,13 +40,19 @@ from qcompile.ir.types import DType
 I32_MIN, I32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 
 
+def _flip(x: TV, to: DType) -> TV:
+    """``x ^ 0x80``: u8 ↔ s8 with the zero point moved by 128 (the caller's)."""
+    return b.elementwise([x], x.shape, to, lambda a, _o: arith.xori(a, b.ci(-128, 8)))
+
+
 def as_u8(x: TV, zp: int) -> tuple[TV, int]:
     """Signed int8 activations become u8 (``x ^ 0x80``) with zero point ``zp + 128``."""
-    if x.dtype is not DType.I8:
-        return x, zp
-    flipped = b.elementwise([x], x.shape, DType.U8,
-                            lambda a, _o: arith.xori(a, b.ci(-128, 8)))
-    return flipped, zp + 128
+    return (x, zp) if x.dtype is not DType.I8 else (_flip(x, DType.U8), zp + 128)
+
+
+def as_s8(x: TV, zp: int) -> tuple[TV, int]:
+    """u8 values become s8 (``x ^ 0x80``) with zero point ``zp - 128``."""
+    return (x, zp) if x.dtype is not DType.U8 else (_flip(x, DType.I8), zp - 128)
 
 
 def folded_bias(bias: np.ndarray, w_rows: np.ndarray, zp: int, where: Node) -> np.ndarray:
@@ -90,8 +96,7 @@ def contract_rows(em: Emitter, a: TV, zp: int, w: np.ndarray, bias: np.ndarray,
     slice shares the GEMM's dispatch). Such a chain is two dispatches; its i32 row is written.
     With ``s8_contractions`` the rows are flipped to s8 first (see ``EmitOptions``)."""
     if em.opts.s8_contractions:
-        a = b.elementwise([a], a.shape, DType.I8, lambda x, _o: arith.xori(x, b.ci(-128, 8)))
-        zp -= 128
+        a, zp = as_s8(a, zp)
     if a.shape[0] != 1:
         return gemm_u8s8(a, w), folded_bias(bias, w, zp, where)
     two = b.pad(a, [0, 0], [1, 0], b.ci(zp, 8))
@@ -264,17 +269,12 @@ def _qmatmul_u8s8(em: Emitter, n: Node, x: TV, y: TV) -> TV:
     mm, kk, nn = x.shape[-2], x.shape[-1], out[-1]
     a, za = as_u8(x, n.attrs.a_zp)
     yt = _transposed_source(em, n.src[1])
-    bt = (yt if yt is not None else y)
-    zb = n.attrs.b_zp
-    if bt.dtype is DType.U8:
-        bt = b.elementwise([bt], bt.shape, DType.I8, lambda q, _o: arith.xori(q, b.ci(-128, 8)))
-        zb -= 128
+    transposed = yt is not None
+    bt, zb = as_s8(yt if transposed else y, n.attrs.b_zp)
     a3 = b.reshape(a, (batch, mm, kk))
-    b3 = b.reshape(bt, (batch, nn, kk) if yt is not None else (batch, kk, nn))
-    d = b.dims(4)
-    bi, mi, ni, ki = d
-    maps = [b.amap(4, [bi, mi, ki]),
-            b.amap(4, [bi, ni, ki] if yt is not None else [bi, ki, ni]),
+    b3 = b.reshape(bt, (batch, nn, kk) if transposed else (batch, kk, nn))
+    bi, mi, ni, ki = b.dims(4)
+    maps = [b.amap(4, [bi, mi, ki]), b.amap(4, [bi, ni, ki] if transposed else [bi, ki, ni]),
             b.amap(4, [bi, mi, ni])]
     init = b.filled((batch, mm, nn), DType.I32, b.ci(0, 32))
 
@@ -282,23 +282,25 @@ def _qmatmul_u8s8(em: Emitter, n: Node, x: TV, y: TV) -> TV:
         return arith.addi(acc, arith.muli(b.widen(p, DType.U8, 32), b.widen(q, DType.I8, 32)))
 
     accv = b.generic([a3.value, b3.value], [DType.U8, DType.I8], (batch, mm, nn), [DType.I32],
-                       maps, ["parallel"] * 3 + ["reduction"], body, inits=[init])[0]
+                     maps, ["parallel"] * 3 + ["reduction"], body, inits=[init])[0]
     accv.owner.attributes["compilation_info"] = _batch_gemm_config(mm, nn, kk)
     acc = TV(accv, DType.I32, (batch, mm, nn))
-    terms: list[tuple[TV, int]] = []          # (sum over K as [batch, M, 1] or [batch, 1, N], -zp)
+    sums: list[TV] = []                   # over K, broadcastable: [batch, M, 1], [batch, 1, N]
+    factors: list[int] = []
     if zb:
-        terms.append((_k_sums(a3, 2, (batch, mm, 1)), -zb))
+        sums.append(_k_sums(a3, 2, (batch, mm, 1)))
+        factors.append(-zb)
     if za:
-        terms.append((_k_sums(b3, 2 if yt is not None else 1, (batch, 1, nn)), -za))
+        sums.append(_k_sums(b3, 2 if transposed else 1, (batch, 1, nn)))
+        factors.append(-za)
     const = (kk * za * zb + 2**31) % 2**32 - 2**31     # wrapped to i32 like the sums
-    if terms or const:
-        def fix(acc_v: ir.Value, *rest: ir.Value) -> ir.Value:
-            res = acc_v
-            for (_, f), s_v in zip(terms, rest[:len(terms)], strict=True):
-                res = arith.addi(res, arith.muli(s_v, b.ci(f, 32)))
-            return arith.addi(res, b.ci(const, 32)) if const else res
+    if sums or const:
+        def fix(acc_v: ir.Value, *args: ir.Value) -> ir.Value:
+            for f, s_v in zip(factors, args[:-1], strict=True):     # args[-1]: the out value
+                acc_v = arith.addi(acc_v, arith.muli(s_v, b.ci(f, 32)))
+            return arith.addi(acc_v, b.ci(const, 32)) if const else acc_v
 
-        acc = b.elementwise([acc, *(t for t, _ in terms)], acc.shape, DType.I32, fix)
+        acc = b.elementwise([acc, *sums], acc.shape, DType.I32, fix)
     return b.reshape(acc, out)
 
 
