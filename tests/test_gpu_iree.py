@@ -63,3 +63,24 @@ def test_gpu_target_without_device__is_unavailable_with_the_reason(device):
 def test_unknown_gpu_device_is_refused():
     with pytest.raises(ValueError, match="valid: rocm, vulkan"):
         compile_gpu(None, "metal")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", ["rocm", "vulkan"])
+def test_attention_matmul__compiles_without_cpu_strategies(device):
+    """The cpu target presets llvm-cpu tile strategies on attention's batch GEMM; the GPU
+    pipelines reject those, so their module must come without them."""
+    from qcompile.ir import qmath
+    from qcompile.ir.graph import Graph, Op, node
+    from qcompile.ir.types import DType, QParams
+
+    a = node(Op.INPUT, DType.U8, (1, 2, 16, 32), name="a")
+    k = node(Op.INPUT, DType.U8, (1, 2, 16, 32), name="k")
+    kt = node(Op.PERMUTE, DType.U8, (1, 2, 32, 16), k, dims=(0, 1, 3, 2))
+    mm = node(Op.QMATMUL, DType.I32, (1, 2, 16, 16), a, kt, a_zp=3, b_zp=128)
+    out = QParams(DType.U8, (1.0,), (128,), 0, 255)
+    q = node(Op.REQUANT, DType.U8, mm.shape, mm,
+             rq=qmath.make_requant([[3e-4]], [0], out, axis=None))
+    build = compile_gpu(Graph("attention_mm", (a, k), (q,)), device)
+    assert build.vmfb[:8]
+    assert build.workaround is None
+    assert build.instructions[EXPECT[device]] > 0, build.instructions

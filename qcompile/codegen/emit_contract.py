@@ -283,7 +283,8 @@ def _qmatmul_u8s8(em: Emitter, n: Node, x: TV, y: TV) -> TV:
 
     accv = b.generic([a3.value, b3.value], [DType.U8, DType.I8], (batch, mm, nn), [DType.I32],
                      maps, ["parallel"] * 3 + ["reduction"], body, inits=[init])[0]
-    accv.owner.attributes["compilation_info"] = _batch_gemm_config(mm, nn, kk)
+    if em.opts.cpu_strategies:
+        accv.owner.attributes["compilation_info"] = _batch_gemm_config(mm, nn, kk)
     acc = TV(accv, DType.I32, (batch, mm, nn))
     sums: list[TV] = []                   # over K, broadcastable: [batch, M, 1], [batch, 1, N]
     factors: list[int] = []

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qcompile.codegen import iree_cpu
-from qcompile.codegen.mlir_emit import emit_module
+from qcompile.codegen.mlir_emit import EmitOptions, emit_module
 from qcompile.errors import CompileError
 from qcompile.ir.graph import Graph
 
@@ -71,7 +71,8 @@ def compile_gpu(graph: Graph, device: str, arch: str | None = None, *,
         raise ValueError(f"unknown GPU device {device!r}; valid: {', '.join(DEVICES)}")
     d = DEVICES[device]
     arch = arch or d.default_arch
-    mlir = emit_module(graph).operation.get_asm(enable_debug_info=True)
+    module = emit_module(graph, EmitOptions(cpu_strategies=False))
+    mlir = module.operation.get_asm(enable_debug_info=True)
     base = (*d.flags, f"{d.arch_flag}={arch}")
     errors: list[str] = []
     for workaround, extra in ((None, ()), *d.workarounds):

@@ -79,11 +79,14 @@ class EmitOptions:
     ukernels take when the u8 inner-tiled path is off (u8 × s8 then falls to untiled code).
     ``ukernel_convs``: conv → requantize chains the VNNI microkernel supports become its
     dispatch (:mod:`qcompile.codegen.emit_ukernel`); the module text then needs
-    :func:`qcompile.codegen.emit_ukernel.link` before iree-compile."""
+    :func:`qcompile.codegen.emit_ukernel.link` before iree-compile. ``cpu_strategies``: preset
+    IREE llvm-cpu tile strategies (``compilation_info``) on ops whose default strategy is slow;
+    off for the GPU targets, whose pipelines reject a CPU strategy."""
 
     split_dequant: bool = False
     s8_contractions: bool = False
     ukernel_convs: bool = False
+    cpu_strategies: bool = True
 
 
 class Emitter:
