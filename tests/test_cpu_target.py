@@ -131,17 +131,22 @@ def test_pieces__split_largest_first():
         cpu.pieces(3, [2])
 
 
-# the batch GEMM form of QMATMUL (u8 × s8 plus rank-1 zero-point corrections): every operand
-# dtype, zero or non-zero zero points, a Kᵀ operand read in place, and a broadcast batch (the
-# direct form)
+# the batch GEMM form of QMATMUL (u8 × s8 plus rank-1 zero-point corrections), stock and on
+# the VNNI microkernel (operands packed at run time): every operand dtype, zero or non-zero zero
+# points, a Kᵀ operand read in place, and a broadcast batch (the direct form)
+@pytest.mark.parametrize("ukernel_on", [False, True], ids=["stock", "ukernel"])
 @pytest.mark.parametrize("a_dt,b_dt,a_zp,b_zp,transposed,b_batch", [
     ("u8", "u8", 131, 7, True, (1, 3)),
     ("i8", "u8", -5, 0, False, (1, 3)),
     ("u8", "i8", 0, -3, True, (1, 3)),
     ("i8", "i8", 0, 0, False, (1, 3)),
     ("u8", "i8", 200, 100, False, (1,)),
+    ("u8", "i8", 50, 0, False, (1, 3)),
+    ("u8", "i8", 50, 0, True, (1, 3)),
 ])
-def test_qmatmul__cpu_equals_reference_bit_for_bit(a_dt, b_dt, a_zp, b_zp, transposed, b_batch):
+def test_qmatmul__cpu_equals_reference_bit_for_bit(a_dt, b_dt, a_zp, b_zp, transposed, b_batch,
+                                                   ukernel_on):
+    from qcompile.codegen import emit_ukernel, ukernel
     from qcompile.ir import qmath
     from qcompile.ir.graph import Graph, Op, node
     from qcompile.ir.types import DType, QParams
@@ -157,11 +162,14 @@ def test_qmatmul__cpu_equals_reference_bit_for_bit(a_dt, b_dt, a_zp, b_zp, trans
     out = QParams(DType.U8, (1.0,), (128,), 0, 255)
     q = node(Op.REQUANT, DType.U8, mm.shape, mm,
              rq=qmath.make_requant([[3e-4]], [0], out, axis=None))
-    graph = Graph("qmatmul", (a, bin_), (q, mm))
+    graph = Graph("qmatmul", (a, bin_), (q,) if ukernel_on else (q, mm))
     inputs = [rng.integers(*da.range, endpoint=True, size=a.shape).astype(da.np),
               rng.integers(*db.range, endpoint=True, size=b_shape).astype(db.np)]
-    module = cpu.compile_graph(graph, 1)
+    if ukernel_on and not ukernel.host_has_vnni():
+        pytest.skip("needs an AVX-512 VNNI host")
+    module = cpu.compile_graph(graph, 1, uk=emit_ukernel.support(True) if ukernel_on else None)
     assert module.workaround is None
+    assert module.ukernel["chains"] == (ukernel_on and b_batch != (1,))
     got = module.module()(*inputs)
     for g, w in zip(got, interpreter.run(graph, *inputs), strict=True):
         np.testing.assert_array_equal(g.view(w.dtype), w)

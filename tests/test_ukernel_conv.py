@@ -65,9 +65,10 @@ def test_chain__ukernel_cpu_equals_reference_bit_for_bit(kind):
     # Chain: stem (3 -> 8, 3x3), conv (8 -> 8, grouped in two kinds), mix (1x1, after the cat)
     want = ["stem conv2d", *([] if kind in GROUPED else ["conv conv2d_1"]),
             *(["mix conv2d_2"] if kind == "cat" else [])]
-    assert rep["used"] and rep["convs"] == {"1": len(want), "4": len(want)}
+    assert rep["used"] and rep["chains"] == {"1": len(want), "4": len(want)}
     assert [loc.split(" ", 1)[1] for loc in rep["lowered"]] == want
-    assert rep["stock"] == ({"grouped or depthwise conv": 1} if kind in GROUPED else {})
+    assert rep["stock"] == {"linear: epilogue is dequant, not a requantize": 1,
+                           **({"conv: grouped or depthwise conv": 1} if kind in GROUPED else {})}
     assert model.report["compile"]["workarounds"] == {}
 
 
@@ -76,7 +77,7 @@ def test_chain__ukernel_off__stock_lowering_equals_reference(kind):
     model, x = _compile(kind, False)
     _assert_bit_exact(model, x)
     rep = model.report["compile"]["ukernel"]
-    assert not rep["used"] and rep["convs"] == {"1": 0, "4": 0}
+    assert not rep["used"] and rep["chains"] == {"1": 0, "4": 0}
     assert rep["why"] == "off (compile option ukernel_convs: false)"
 
 
@@ -93,7 +94,7 @@ def test_chain_variants__ukernel_where_supported(config):
     want = interpreter.run(graph, x.numpy())
     if config.quantizer == "qcompile":
         np.testing.assert_array_equal(got[0], want[0])
-        assert rep["convs"] == {"1": 2, "4": 2}
+        assert rep["chains"] == {"1": 2, "4": 2}
     else:
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
         assert any("not a requantize" in why for why in rep["stock"])
@@ -152,8 +153,47 @@ def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkey
     q, x = _quantized("relu", QCOMPILE)
     model = compile_cpu(q, CompileOptions(batch_sizes=(1,), analyze=False))
     rep = model.report["compile"]["ukernel"]
-    assert rep == {"used": False, "why": rep["why"], "convs": {"1": 0},
+    assert rep == {"used": False, "why": rep["why"], "chains": {"1": 0},
                    "lowered": [], "stock": {}}
     assert "no AVX-512 VNNI" in rep["why"]
     np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
         model.runner.modules[1].graph, x[:1].numpy())[0])
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,k,n,x_dt,residual", [
+    ((1, 128), 64, 96, "u8", False),       # M 128: one kernel row of 128 pixels
+    ((2, 7), 30, 40, "i8", True),          # K padded to 32 by the zero point; s8 in, residual
+    ((1,), 48, 20, "u8", False),           # the batch-1 classifier row
+    ((3, 97), 16, 33, "u8", True),         # M 291 = 3 x 97: rows of 97
+])
+def test_linear_chain__microkernel_equals_reference_bit_for_bit(rows, k, n, x_dt, residual):
+    from qcompile.codegen import cpu
+    from qcompile.ir import qmath
+    from qcompile.ir.graph import Graph, Op, node
+    from qcompile.ir.types import DType, QParams
+
+    rng = np.random.default_rng(5)
+    xd = DType(x_dt)
+    x = node(Op.INPUT, xd, (*rows, k), name="x")
+    w = node(Op.CONST, DType.I8, (n, k), value=rng.integers(-128, 128, (n, k), np.int8))
+    bias = node(Op.CONST, DType.I32, (n,), value=rng.integers(-900, 900, n, np.int32))
+    lin = node(Op.QLINEAR, DType.I32, (*rows, n), x, w, bias, x_zp=-3 if x_dt == "i8" else 131)
+    out = QParams(DType.U8, (1.0,), (7,), 0, 255)
+    srcs, reals, zps = [lin], [np.linspace(2e-4, 6e-4, n)], [0]
+    ins = [x]
+    if residual:
+        r = node(Op.INPUT, DType.I8, lin.shape, name="r")
+        srcs.append(r)
+        reals.append([0.3])
+        zps.append(-5)
+        ins.append(r)
+    rq = node(Op.REQUANT, DType.U8, lin.shape, *srcs,
+              rq=qmath.make_requant(reals, zps, out, axis=len(lin.shape) - 1))
+    graph = Graph("linear_chain", tuple(ins), (rq,))
+    module = cpu.compile_graph(graph, 1, uk=emit_ukernel.support(True))
+    assert module.workaround is None and module.ukernel["chains"] == 1
+    inputs = [rng.integers(*i.dtype.range, endpoint=True, size=i.shape).astype(i.dtype.np)
+              for i in ins]
+    got = module.module()(*inputs)[0]
+    np.testing.assert_array_equal(got.view(np.uint8), interpreter.run(graph, *inputs)[0])

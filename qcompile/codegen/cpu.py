@@ -90,7 +90,7 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
             first = first or (text, flags)
             got = iree_cpu.try_compile(text, flags)
             if isinstance(got, bytes):
-                info = {"convs": len(calls), "lowered": [c.loc for c in calls], "stock": stock}
+                info = {"chains": len(calls), "lowered": [c.loc for c in calls], "stock": stock}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
             errors.append(got)
     assert first is not None
@@ -171,17 +171,18 @@ def build(graphs: dict[int, Graph], *, keep_dir: str | Path | None = None,
 
 
 def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) -> dict[str, Any]:
-    """``used``, ``why`` (not), the count of convs lowered per batch size, and for the largest
-    batch which convs took it and why the others kept the stock lowering."""
+    """``used``, ``why`` (not), the count of chains (conv or linear → requantize) lowered per
+    batch size, and for the largest batch which took it and why the others kept the stock
+    lowering."""
     infos = {b: m.ukernel for b, m in modules.items() if m.ukernel is not None}
-    counts = {str(b): i["convs"] for b, i in sorted(infos.items())}
+    counts = {str(b): i["chains"] for b, i in sorted(infos.items())}
     used = any(counts.values())
     why = uk.why
     if uk.obj is not None and not used:
         failed = any("stock-convs" in (m.workaround or "") for m in modules.values())
         why = ("it failed to compile; the stock lowering is used (see workarounds)" if failed
-               else "no conv chain here is one the microkernel supports")
-    out: dict[str, Any] = {"used": used, "why": why, "convs": counts}
+               else "no conv or linear chain here is one the microkernel supports")
+    out: dict[str, Any] = {"used": used, "why": why, "chains": counts}
     if infos:
         last = infos[max(infos)]
         out.update(lowered=last["lowered"], stock=last["stock"])

@@ -106,6 +106,8 @@ def contract_rows(em: Emitter, a: TV, zp: int, w: np.ndarray, bias: np.ndarray,
 
 @emits(Op.QLINEAR)
 def _qlinear(em: Emitter, n: Node, v: list[Value]) -> Value:
+    if id(n) in em.uk_chains:
+        return Pending(materialize(v[0]))
     x, zp = as_u8(materialize(v[0]), n.attrs.x_zp)
     w, bias = np.asarray(n.src[1].attrs.value), np.asarray(n.src[2].attrs.value)
     k = x.shape[-1]
@@ -226,6 +228,8 @@ def _qmatmul(em: Emitter, n: Node, v: list[Value]) -> Value:
     Where both operands have the output's batch dims it is a batch GEMM in IREE's u8 × s8 form
     (:func:`_qmatmul_u8s8`); a broadcast batch keeps the direct form below."""
     x, y = materialize(v[0]), materialize(v[1])
+    if id(n) in em.uk_chains:
+        return Pending(x, y)
     out = n.shape
     if x.shape[:-2] == y.shape[:-2] == tuple(out[:-2]):
         return _qmatmul_u8s8(em, n, x, y)
@@ -271,8 +275,10 @@ def _qmatmul_u8s8(em: Emitter, n: Node, x: TV, y: TV) -> TV:
     yt = _transposed_source(em, n.src[1])
     transposed = yt is not None
     bt, zb = as_s8(yt if transposed else y, n.attrs.b_zp)
-    a3 = b.reshape(a, (batch, mm, kk))
-    b3 = b.reshape(bt, (batch, nn, kk) if transposed else (batch, kk, nn))
+    # operands fenced: IREE would otherwise fold a producer's head-split transpose into the
+    # GEMM's indexing maps, re-creating it without its preset strategy (then data tiling fails)
+    a3 = b.barrier(b.reshape(a, (batch, mm, kk)))
+    b3 = b.barrier(b.reshape(bt, (batch, nn, kk) if transposed else (batch, kk, nn)))
     bi, mi, ni, ki = b.dims(4)
     maps = [b.amap(4, [bi, mi, ki]), b.amap(4, [bi, ni, ki] if transposed else [bi, ki, ni]),
             b.amap(4, [bi, mi, ni])]

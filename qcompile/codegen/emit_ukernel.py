@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from iree.compiler import ir
-from iree.compiler.dialects import func
+from iree.compiler.dialects import arith, func
 
 from qcompile.codegen import builder as b
 from qcompile.codegen import ukernel
@@ -37,9 +37,10 @@ from qcompile.ir.graph import Graph, Node, Op
 from qcompile.ir.types import DType
 
 if TYPE_CHECKING:
-    from qcompile.codegen.mlir_emit import Emitter
+    from qcompile.codegen.mlir_emit import Emitter, Pending
 
-PREFIX = "qk_conv_"
+PREFIX = "qk_conv_"            # conv chains; linear and matmul chains: MATMUL_PREFIX
+MATMUL_PREFIX = "qk_matmul_"
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,22 @@ class UkCall:
     nparams: int
     nweights: int
     residual: bool
-    loc: str | None = None           # the conv's source location
+    loc: str | None = None           # the contraction's source location
+    matmul: bool = False             # a batched matmul of two run-time operands
 
 
 def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
-    """``None`` when the chain ``conv → requant`` maps onto the microkernel, else the reason."""
+    """``None`` when the chain ``conv → requant`` (a conv, or a linear as a 1×1 conv) maps onto
+    the microkernel, else the reason."""
     a = conv.attrs
-    if a.get("layout") != "nhwc":
-        return "NCHW conv"
-    if a.groups != 1:
-        return "grouped or depthwise conv"
+    if conv.op is Op.QCONV2D:
+        if a.get("layout") != "nhwc":
+            return "NCHW conv"
+        if a.groups != 1:
+            return "grouped or depthwise conv"
+    if conv.op is Op.QMATMUL and not (
+            conv.src[0].shape[:-2] == conv.src[1].shape[:-2] == conv.shape[:-2]):
+        return "broadcast batch dims"
     readers = users.get(id(conv), [])
     if len(readers) != 1:
         return f"i32 accumulator with {len(readers)} readers"
@@ -69,12 +76,12 @@ def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
         return f"epilogue is {rq.op.value}, not a requantize"
     if rq.src[0] is not conv or conv in rq.src[1:]:
         return "accumulator is not the requantize's first term"
-    if len(rq.src) > 2:
-        return "more than one residual term"
+    if len(rq.src) > 2 or (len(rq.src) == 2 and conv.op is Op.QMATMUL):
+        return "more than one residual term" if len(rq.src) > 2 else "a matmul with a residual"
     if len(rq.src) == 2 and (not rq.src[1].dtype.is_int8 or rq.src[1].shape != rq.shape):
         return "residual term is not an int8 tensor of the output's shape"
     r = rq.attrs.rq
-    if r.axis not in (None, 3) or not r.out_dtype.is_int8 or min(r.shift) < 1:
+    if r.axis not in (None, len(rq.shape) - 1) or not r.out_dtype.is_int8 or min(r.shift) < 1:
         return "requantize is not per output channel onto int8"
     # no shape is excluded: on the 21 measured conv shapes of resnet18/resnet50/mobilenet_v2 the
     # kernel was never slower than the stock lowering (1 thread 1.07-2.7x, 2 threads 1.0-3.5x;
@@ -83,18 +90,20 @@ def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
 
 
 def plan(graph: Graph, users: dict[int, list[Node]]) -> tuple[dict[int, Node], dict[str, int]]:
-    """``id(conv) -> requant`` of the chains to lower, and the count of each reason for the
-    convs that keep the stock lowering."""
+    """``id(conv or linear) -> requant`` of the chains to lower, and the count of each reason
+    (``"conv: …"``, ``"linear: …"``) for the contractions that keep the stock lowering."""
     chosen: dict[int, Node] = {}
     stock: dict[str, int] = {}
+    outputs = {id(o) for o in graph.outputs}
     for n in graph.nodes():
-        if n.op is not Op.QCONV2D:
+        if n.op not in (Op.QCONV2D, Op.QLINEAR, Op.QMATMUL):
             continue
-        why = why_not(n, users)
+        why = "i32 accumulator is a graph output" if id(n) in outputs else why_not(n, users)
         if why is None:
             chosen[id(n)] = users[id(n)][0]
         else:
-            stock[why] = stock.get(why, 0) + 1
+            key = f"{n.op.value.removeprefix('q').removesuffix('2d')}: {why}"
+            stock[key] = stock.get(key, 0) + 1
     return chosen, stock
 
 
@@ -102,23 +111,29 @@ def _flat(x: TV) -> TV:
     return b.reshape(x, (int(np.prod(x.shape)),))
 
 
-def emit(em: Emitter, rq_node: Node, x: TV, res: TV | None) -> TV:
-    """The microkernel dispatch of the chain ``rq_node.src[0] → rq_node`` on input ``x`` (the
-    conv's activation) with the residual operand ``res``."""
+def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
+    """The microkernel dispatch of the chain ``rq_node.src[0] → rq_node`` on the contraction's
+    operands ``pending`` with the residual operand ``res``."""
     from qcompile.codegen.emit_contract import _weights_ohwi, as_u8, folded_bias
 
     conv = rq_node.src[0]
     a, rq = conv.attrs, rq_node.attrs.rq
-    x, zp = as_u8(x, a.x_zp)
-    w = _weights_ohwi(conv)
-    f, kh, kw, c = w.shape
-    nb, h, wd, _ = x.shape
-    (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
-    cp = ukernel.padded_channels(c)
-    with em.loc(conv, ".copy"):
-        xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
-    s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
-                          rq_node.shape[1], rq_node.shape[2])
+    if conv.op is Op.QMATMUL:
+        assert pending.y is not None
+        return _emit_matmul(em, rq_node, pending.x, pending.y)
+    x, zp = as_u8(pending.x, a.x_zp)
+    if conv.op is Op.QLINEAR:
+        xp, w, s = _linear_operands(em, conv, x, zp)
+    else:
+        w = _weights_ohwi(conv)
+        f, kh, kw, c = w.shape
+        nb, h, wd, _ = x.shape
+        (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
+        cp = ukernel.padded_channels(c)
+        with em.loc(conv, ".copy"):
+            xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
+        s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
+                              rq_node.shape[1], rq_node.shape[2])
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
     extra: dict[str, Any] = {}
     operands = [_flat(xp), b.constant(ukernel.pack_weights(w), DType.I8)]
@@ -130,11 +145,88 @@ def emit(em: Emitter, rq_node: Node, x: TV, res: TV | None) -> TV:
     operands.append(b.constant(params, DType.I64))
     if res is not None:
         operands.append(_flat(res))
-    name = f"{PREFIX}{em.ids[id(conv)]}_{em.ids[id(rq_node)]}"
+    prefix = PREFIX if conv.op is Op.QCONV2D else MATMUL_PREFIX
+    name = f"{prefix}{em.ids[id(conv)]}_{em.ids[id(rq_node)]}"
     out = _call(em, name, operands, s.n * s.oh * s.ow * s.f, rq_node.dtype)
     em.uk_calls.append(UkCall(name, s, params.size, operands[1].shape[0], len(operands) == 4,
                               conv.loc))
     return b.reshape(out, rq_node.shape)
+
+
+# output pixels per kernel row when a linear runs as a 1×1 conv: its M rows are split into
+# rows of at most this many (a divisor of M), so that the workgroup grid has rows to share out
+LINEAR_ROW = 128
+
+
+def _rows(m: int) -> tuple[int, int]:
+    """``M`` GEMM rows as ``(kernel rows, pixels per row)``."""
+    ow = max(d for d in range(1, min(m, LINEAR_ROW) + 1) if m % d == 0)
+    return m // ow, ow
+
+
+def _emit_matmul(em: Emitter, rq_node: Node, x: TV, y: TV) -> TV:
+    """``sum (a - za)(b - zb)`` per batch as the kernel's GEMM of ``a`` (u8) with ``b`` flipped
+    to s8 (``b' = b - 128``) and packed per image at run time, plus the terms
+    ``-zb' rowsum(a)`` (per pixel) and ``-za colsum(b') + K za zb'`` (per channel), exact in
+    wrapping i32 like the stock form. A ``b`` transposed from ``[..., N, K]`` is packed from
+    that source."""
+    from qcompile.codegen.emit_contract import _k_sums, _transposed_source, as_s8, as_u8
+
+    mm, rq = rq_node.src[0], rq_node.attrs.rq
+    out = mm.shape
+    bt = int(np.prod(out[:-2], dtype=np.int64))
+    m, k, nn = x.shape[-2], x.shape[-1], out[-1]
+    a, za = as_u8(x, mm.attrs.a_zp)
+    yt = _transposed_source(em, mm.src[1])
+    bs, zb = as_s8(yt if yt is not None else y, mm.attrs.b_zp)
+    a3 = b.reshape(a, (bt, m, k))
+    bnk = b.reshape(bs, (bt, nn, k)) if yt is not None else \
+        b.transpose(b.reshape(bs, (bt, k, nn)), (0, 2, 1))
+    kp, oh, ow = ukernel.padded_channels(k), *_rows(m)
+    s = ukernel.ConvShape(bt, oh, ow, kp, nn, 1, 1, 1, 1, 1, 1, oh, ow, f_round=ukernel.BLOCK)
+    s = replace(s, wstride=s.fp * kp)
+    with em.loc(mm, ".copy"):
+        xp = b.pad(b.reshape(a3, (bt, oh, ow, k)), [0] * 4, [0, 0, 0, kp - k], b.ci(za, 8))
+        wp = b.pad(bnk, [0] * 3, [0, s.fp - nn, kp - k], b.ci(0, 8))
+        wp = b.transpose(b.reshape(wp, (bt, s.fp // ukernel.BLOCK, ukernel.BLOCK, kp // 4, 4)),
+                         (0, 1, 3, 2, 4))
+    const = (k * za * zb + 2**31) % 2**32 - 2**31      # wrapped to i32 like the sums
+
+    def scaled(sums: TV, f: int, c: int) -> TV:
+        return b.elementwise([sums], sums.shape, DType.I32, lambda v, _o: arith.addi(
+            arith.muli(v, b.ci(f, 32)), b.ci(c, 32)))
+
+    rowt = scaled(b.reshape(_k_sums(a3, 2, (bt, m, 1)), (bt * m,)), -zb, 0)
+    colt = scaled(b.reshape(_k_sums(bnk, 2, (bt, nn, 1)), (bt, nn)), -za, const)
+    colt = b.pad(colt, [0, 0], [0, s.fp - nn], b.ci(0, 32))
+    terms = b.filled((bt * (m + s.fp),), DType.I32, b.ci(0, 32))
+    terms = TV(terms, DType.I32, (bt * (m + s.fp),))
+    terms = b.insert_slice(rowt, terms, [0], [bt * m])
+    terms = b.insert_slice(_flat(colt), terms, [bt * m], [bt * s.fp])
+    bias = np.full(nn, -rq.terms[0].zero_point, np.int64)
+    params = ukernel.pack_params(s, bias, np.asarray(rq.terms[0].multiplier, np.int64),
+                                 np.asarray(rq.shift), rq.zp_out, rq.qmin, rq.qmax)
+    operands = [_flat(xp), _flat(wp), b.constant(params, DType.I64), terms]
+    name = f"{MATMUL_PREFIX}{em.ids[id(mm)]}_{em.ids[id(rq_node)]}"
+    y8 = _call(em, name, operands, bt * m * nn, rq_node.dtype)
+    em.uk_calls.append(UkCall(name, s, params.size, bt * s.fp * kp, False, mm.loc, matmul=True))
+    return b.reshape(y8, rq_node.shape)
+
+
+def _linear_operands(em: Emitter, lin: Node, x: TV, zp: int
+                     ) -> tuple[TV, np.ndarray, ukernel.ConvShape]:
+    """A linear ``x[..., K] · W[N, K]ᵀ`` as a 1×1 conv over an image of its ``M`` rows:
+    ``[1, M / ow, ow, K]`` (K padded by the zero point to a multiple of 4), weights OHWI."""
+    w = np.asarray(lin.src[1].attrs.value)
+    nn, k = w.shape
+    oh, ow = _rows(int(np.prod(x.shape[:-1])))
+    cp = ukernel.padded_channels(k)
+    xp = b.reshape(x, (1, oh, ow, k))
+    if cp != k:
+        with em.loc(lin, ".copy"):
+            xp = b.pad(xp, [0, 0, 0, 0], [0, 0, 0, cp - k], b.ci(zp, 8))
+    s = ukernel.ConvShape(1, oh, ow, cp, nn, 1, 1, 1, 1, 1, 1, oh, ow)
+    return xp, w.reshape(nn, 1, 1, k), s
 
 
 def _call(em: Emitter, name: str, operands: Sequence[TV], size: int, dtype: DType) -> TV:
@@ -147,8 +239,9 @@ def _call(em: Emitter, name: str, operands: Sequence[TV], size: int, dtype: DTyp
     return TV(call.results[0], dtype, (size,))
 
 
-_DECL = re.compile(rf"^ *func\.func private @({PREFIX}\d+_\d+)\(.*$", re.M)
-_CALL = re.compile(rf"\b(?:func\.)?call @({PREFIX}\d+_\d+)\(")
+_NAMES = rf"(?:{PREFIX}|{MATMUL_PREFIX})\d+_\d+"
+_DECL = re.compile(rf"^ *func\.func private @({_NAMES})\(.*$", re.M)
+_CALL = re.compile(rf"\b(?:func\.)?call @({_NAMES})\(")
 
 
 def link(text: str, calls: Sequence[UkCall], obj: Path, target: str) -> str:
@@ -159,7 +252,7 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str) -> str:
     def executable(m: re.Match[str]) -> str:
         c = by_name[m.group(1)]
         return ukernel.executable_mlir(c.name, obj, c.shape, c.nparams, c.nweights, c.residual,
-                                       target, entry=c.name)
+                                       target, entry=c.name, matmul=c.matmul)
 
     text = _DECL.sub(executable, text)
     return _CALL.sub(lambda m: f"flow.dispatch @{m.group(1)}::@x86::@{m.group(1)}(", text)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from qcompile.errors import CompileError
+from qcompile.signals import signals_held
 
 TARGET_FLAGS = (
     "--iree-hal-target-device=local",
@@ -62,20 +63,25 @@ def try_compile(mlir: str, flags: tuple[str, ...]) -> bytes | str:
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     """``argv`` to completion. Interrupted (Ctrl-C, SIGTERM as an exception, a timeout), the child
     is killed and reaped before this returns or raises: no compiler outlives qcompile, not even as
-    a zombie (``subprocess.run`` leaves one on KeyboardInterrupt)."""
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+    a zombie (``subprocess.run`` leaves one on KeyboardInterrupt). Signals are held while the
+    child starts: one landing inside ``Popen`` (it waits for the exec) would leave the started
+    child with no one to reap it."""
+    proc: subprocess.Popen[str] | None = None
+    try:
+        with signals_held():
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+        out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        assert proc is not None
+        proc.kill()
+        proc.communicate()
+        return subprocess.CompletedProcess(argv, 124, "", f"timed out after {COMPILE_TIMEOUT_S}s")
+    except BaseException:
+        if proc is not None:
             proc.kill()
             proc.communicate()
-            return subprocess.CompletedProcess(argv, 124, "",
-                                               f"timed out after {COMPILE_TIMEOUT_S}s")
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+        raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 

@@ -37,10 +37,12 @@ class Acc:
 
 @dataclass(frozen=True)
 class Pending:
-    """A conv whose chain the VNNI microkernel computes (:mod:`qcompile.codegen.emit_ukernel`):
-    its activation, handed to the requantize that ends the chain (its only reader)."""
+    """A contraction whose chain the VNNI microkernel computes
+    (:mod:`qcompile.codegen.emit_ukernel`): its activation (and a matmul's second operand),
+    handed to the requantize that ends the chain (its only reader)."""
 
     x: TV
+    y: TV | None = None
 
 
 Value = TV | Acc | Pending
@@ -200,7 +202,7 @@ def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
     if isinstance(v[0], Pending):
         from qcompile.codegen import emit_ukernel
 
-        return emit_ukernel.emit(em, n, v[0].x, materialize(v[1]) if len(v) == 2 else None)
+        return emit_ukernel.emit(em, n, v[0], materialize(v[1]) if len(v) == 2 else None)
     # an int8 residual operand is fenced: otherwise IREE pulls its producer's epilogue into this
     # dispatch and writes that producer's i32 accumulator to memory instead
     tvs = [x.tv if isinstance(x, Acc) else (b.barrier(x) if i and _is_epilogue(n.src[i])

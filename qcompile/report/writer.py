@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from qcompile.signals import signals_held
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -27,7 +25,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_many(files: dict[Path, bytes]) -> None:
     """Write every file, then rename them all in order (see the module docstring)."""
     temps: list[Path] = []
-    with _signals_held():
+    with signals_held():
         try:
             for path, data in files.items():
                 temps.append(_write_temp(Path(path), data))
@@ -57,25 +55,6 @@ def _write_temp(path: Path, data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return tmp
-
-
-@contextmanager
-def _signals_held() -> Iterator[None]:
-    """Defer SIGINT/SIGTERM (main thread only: Python installs handlers there) and deliver them
-    once the block is done."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    old = {s: signal.signal(s, lambda n, _f: caught.append(n))
-           for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        for s in dict.fromkeys(caught):
-            signal.raise_signal(s)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -29,6 +29,7 @@ from qcompile.errors import CompileError
 
 SOURCE = Path(__file__).with_name("conv_vnni.c")
 SYMBOL = "qk_conv2d_u8s8"
+MATMUL_SYMBOL = "qk_matmul_u8s8"
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
           "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
           "-fno-asynchronous-unwind-tables", "-c")
@@ -91,10 +92,12 @@ class ConvShape:
     dw: int
     oh: int
     ow: int
+    wstride: int = 0     # bytes between the packed weights of two images (0: shared weights)
+    f_round: int = 16    # output channels padded to a multiple of this (64: uniform blocks)
 
     @property
     def fp(self) -> int:
-        return -(-self.f // 16) * 16
+        return -(-self.f // self.f_round) * self.f_round
 
     @property
     def blocks(self) -> int:
@@ -139,8 +142,8 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     with np.errstate(over="ignore"):
         add = (np.left_shift(np.int64(1), shift_c - 1) - np.int64(res_zp) * m1_c).astype(np.int64)
     h = np.zeros(HEADER, np.int64)
-    h[:19] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
-              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n]
+    h[:20] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride]
     return np.concatenate([h, chan(bias), chan(m0), m1_c, add, shift_c])
 
 
@@ -178,11 +181,16 @@ def host_target(flags: tuple[str, ...]) -> str:
 
 
 def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: int,
-                    residual: bool, target: str, entry: str = "conv") -> str:
+                    residual: bool, target: str, entry: str = "conv", matmul: bool = False
+                    ) -> str:
     """A ``hal.executable`` @name, variant @x86, export @entry: bindings (x, w, params[, res],
-    y). Executables of one module need distinct entries (they are linked into one library)."""
+    y), or for a batched ``matmul`` (x, w, params, terms, y) with the i32 zero-point terms
+    (per pixel, then per channel, of every image). Executables of one module need distinct
+    entries (they are linked into one library)."""
     ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
-    if residual:
+    if matmul:
+        ins.append(("i32", s.n * (s.oh * s.ow + s.fp)))
+    elif residual:
         ins.append(("i8", s.n * s.oh * s.ow * s.f))
     out = ("i8", s.n * s.oh * s.ow * s.f)
     binds = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * len(ins)
@@ -196,13 +204,14 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
                      f"binding({i}) alignment(64) offset(%c0) : memref<{n}x{et}>")
         lines.append(f"          %p{i}, %o{i}, %z{i}, %s{i} = iree_codegen.extract_strided_"
                      f"metadata %b{i} : memref<{n}x{et}> -> memref<{et}>, index, index, index")
-    order = [0, 1, 2, 3 if residual else 0, len(allb) - 1]
+    order = [0, 1, 2, 3 if residual or matmul else 0, len(allb) - 1]
     for i in order:
         args += [f"%p{i}", f"%o{i}"]
         types += [f"memref<{allb[i][0]}>", "index"]
     args += ["%wx", "%wy", "%wz"]
     types += ["index"] * 3
     decl = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
+    symbol = MATMUL_SYMBOL if matmul else SYMBOL
     body = "\n".join(lines)
     return f"""
   hal.executable private @{name} {{
@@ -216,14 +225,14 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
         hal.return %x, %y, %z : index, index, index
       }}
       builtin.module {{
-        func.func private @{SYMBOL}({decl}) attributes {{hal.import.static, llvm.bareptr = true}}
+        func.func private @{symbol}({decl}) attributes {{hal.import.static, llvm.bareptr = true}}
         func.func @{entry}() {{
           %c0 = arith.constant 0 : index
           %wx = hal.interface.workgroup.id[0] : index
           %wy = hal.interface.workgroup.id[1] : index
           %wz = hal.interface.workgroup.id[2] : index
 {body}
-          func.call @{SYMBOL}({", ".join(args)}) : ({", ".join(types)}) -> ()
+          func.call @{symbol}({", ".join(args)}) : ({", ".join(types)}) -> ()
           return
         }}
       }}

@@ -10,7 +10,9 @@
 // arithmetic wraps exactly like the reference's numpy int64, so the result is bit-exact.
 //
 // One call computes one output row (n, oh) for one block of up to 64 output channels; IREE's
-// workgroup grid is (channel blocks, OH, N). Called through hal.executable objects with bare
+// workgroup grid is (channel blocks, OH, N). A second entry, qk_matmul_u8s8, runs the same tiles
+// as a batch of GEMMs (linears are 1x1 convs of the first entry): per-image weights packed at run
+// time and the i32 zero-point terms of two run-time operands added before the requantize. Called through hal.executable objects with bare
 // pointers: each buffer is (pointer, element offset).
 //
 // Built freestanding (no libc): gcc -O3 -mavx512f -mavx512bw -mavx512dq -mavx512vl
@@ -21,7 +23,7 @@
 
 enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
-  H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, HEADER = 32
+  H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, HEADER = 32
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -102,8 +104,16 @@ INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r,
   _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(y32));
 }
 
-INLINE void run_tile(const conv_args* a, const epi_args* e, const uint8_t* x0, int64_t c0,
-                     int64_t f, const uint8_t* r, uint8_t* y, int MR, int NR) {
+// Per-pixel and per-channel i32 terms added to the accumulators before the requantize (the
+// zero-point corrections of a matmul whose operands are both run-time values); 0 for convs.
+typedef struct {
+  const int32_t* row;      // this tile's first pixel
+  const int32_t* col;      // this image's channels (fp of them)
+} terms_args;
+
+INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
+                     const uint8_t* x0, int64_t c0, int64_t f, const uint8_t* r, uint8_t* y,
+                     int MR, int NR) {
   __m512i acc[6][4];
   tile(a, x0, acc, MR, NR);
 #pragma GCC unroll 6
@@ -112,16 +122,24 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const uint8_t* x0, i
     for (int j = 0; j < NR; ++j) {
       int64_t c = c0 + 16 * j;
       int64_t left = f - c;
-      __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-      store16(acc[m][j], e, c, r ? r + m * f + 16 * j : 0, y + m * f + 16 * j, mask);
+      // a matmul's blocks are 64 channels wide (packed at run time), so left can be <= 0
+      __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
+                       : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+      __m512i v = acc[m][j];
+      if (t) {
+        v = _mm512_add_epi32(v, _mm512_set1_epi32(t->row[m]));
+        v = _mm512_add_epi32(v, _mm512_loadu_si512((const void*)(t->col + c)));
+      }
+      store16(v, e, c, r ? r + m * f + 16 * j : 0, y + m * f + 16 * j, mask);
     }
 }
 
 #define TILE_CASE(MR, NR) \
-  case MR: run_tile(a, e, x0, c0, f, r, y, MR, NR); break;
+  case MR: run_tile(a, e, t, x0, c0, f, r, y, MR, NR); break;
 #define TILES(NR)                                                                         \
-  static void tiles_##NR(const conv_args* a, const epi_args* e, const uint8_t* x0,        \
-                         int64_t c0, int64_t f, const uint8_t* r, uint8_t* y, int mr) {   \
+  static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
+                         const uint8_t* x0, int64_t c0, int64_t f, const uint8_t* r,      \
+                         uint8_t* y, int mr) {                                            \
     switch (mr) {                                                                         \
       TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
       TILE_CASE(5, NR) TILE_CASE(6, NR)                                                   \
@@ -132,9 +150,13 @@ TILES(2)
 TILES(3)
 TILES(4)
 
-void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
-                    const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
-                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oh, int64_t n) {
+// One output row (n, oh) of one 64-channel block; `terms` (matmuls only, else 0) holds the
+// per-pixel terms [N][OH * OW] then the per-channel terms [N][FP], and each image n has its own
+// packed weights (H_WSTRIDE bytes apart; 0 for convs, whose images share them).
+static void conv_row(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                     const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
+                     const int32_t* terms, uint8_t* yb, int64_t yo, int64_t blk, int64_t oh,
+                     int64_t n) {
   const int64_t* h = pb + po;
   const int64_t hp = h[H_HP], wp = h[H_WP], c = h[H_C], kh = h[H_KH], kw = h[H_KW];
   const int64_t ow = h[H_OW], f = h[H_F], fp = h[H_FP], ohn = h[H_OH];
@@ -146,7 +168,7 @@ void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
   const int64_t c0 = blk * 64;
   int64_t nr16 = (fp - c0) / 16;
   const int nr = nr16 > 4 ? 4 : (int)nr16;
-  a.w = wb + wo + c0 * k;
+  a.w = wb + wo + n * h[H_WSTRIDE] + c0 * k;
   epi_args e;
   const int64_t* per = h + HEADER;
   e.bias = per; e.m0 = per + fp; e.m1 = per + 2 * fp; e.add = per + 3 * fp;
@@ -158,16 +180,37 @@ void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
   uint8_t* y = yb + yo + out_row;
   const uint8_t* r = e.res ? rb + ro + out_row : 0;
   const int64_t step = a.sw * c;
+  terms_args tt;
+  const terms_args* t = 0;
+  if (terms) {
+    tt.col = terms + h[H_N] * ohn * ow + n * fp;
+    t = &tt;
+  }
   for (int64_t p = 0; p < ow; p += 6) {
     int mr = ow - p >= 6 ? 6 : (int)(ow - p);
     const uint8_t* x0 = x_row + p * step;
     uint8_t* yp = y + p * f + c0;
     const uint8_t* rp = r ? r + p * f + c0 : 0;
+    if (terms) tt.row = terms + (n * ohn + oh) * ow + p;
     switch (nr) {
-      case 1: tiles_1(&a, &e, x0, c0, f, rp, yp, mr); break;
-      case 2: tiles_2(&a, &e, x0, c0, f, rp, yp, mr); break;
-      case 3: tiles_3(&a, &e, x0, c0, f, rp, yp, mr); break;
-      default: tiles_4(&a, &e, x0, c0, f, rp, yp, mr); break;
+      case 1: tiles_1(&a, &e, t, x0, c0, f, rp, yp, mr); break;
+      case 2: tiles_2(&a, &e, t, x0, c0, f, rp, yp, mr); break;
+      case 3: tiles_3(&a, &e, t, x0, c0, f, rp, yp, mr); break;
+      default: tiles_4(&a, &e, t, x0, c0, f, rp, yp, mr); break;
     }
   }
+}
+
+void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                    const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
+                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oh, int64_t n) {
+  conv_row(xb, xo, wb, wo, pb, po, rb, ro, 0, yb, yo, blk, oh, n);
+}
+
+// A batch of GEMMs x[n] (u8, [M, K]) times w[n] (s8, packed per image) with the zero-point terms
+// of both run-time operands (`terms`, i32) and the requantize.
+void qk_matmul_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                    const int64_t* pb, int64_t po, const int32_t* tb, int64_t to,
+                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oh, int64_t n) {
+  conv_row(xb, xo, wb, wo, pb, po, 0, 0, tb + to, yb, yo, blk, oh, n);
 }
