@@ -32,7 +32,7 @@ from qcompile.errors import RecipeError
 RECIPE_VERSION = 1
 TARGETS = ("pt2e", "reference", "cpu", "cuda", "rocm", "vulkan", "ort")
 PEERS = ("eager_fp32", "inductor_fp32", "pt2e_inductor_int8", "ort_fp32", "ort_int8",
-         "iree_qdq", "qcompile", "qcompile_stock")
+         "ort_int8_dynamic", "iree_qdq", "qcompile", "qcompile_stock")
 # qcompile_stock (cpu with the stock conv lowering, no VNNI microkernel) only when asked for
 DEFAULT_PEERS = PEERS[:-1]
 MAX_RECIPE_BYTES = 1 << 20

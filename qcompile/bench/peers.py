@@ -128,6 +128,20 @@ def ort_int8(ctx: Context) -> Call:
     return _ort_session(out)
 
 
+def ort_int8_dynamic(ctx: Context) -> Call:
+    """ONNX Runtime dynamic quantization (per-channel s8 weights; activations quantized at run
+    time from their own range, no calibration): what a transformer user reaches for first."""
+    import logging
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src = _onnx_fp32(ctx)
+    out = ctx.workdir / "model_int8_dynamic.onnx"
+    logging.getLogger().setLevel(logging.ERROR)
+    quantize_dynamic(str(src), str(out), per_channel=True, weight_type=QuantType.QInt8)
+    return _ort_session(out)
+
+
 def iree_qdq(ctx: Context) -> Call:
     raise PeerUnavailable("IREE on the unmodified Q/DQ graph needs a torch → MLIR importer "
                           "(iree-turbine), which this installation does not have")
@@ -151,7 +165,8 @@ def qcompile_stock(ctx: Context) -> Call:
 BUILDERS: dict[str, Callable[[Context], Call]] = {
     "eager_fp32": eager_fp32, "inductor_fp32": inductor_fp32,
     "pt2e_inductor_int8": pt2e_inductor_int8, "ort_fp32": ort_fp32, "ort_int8": ort_int8,
-    "iree_qdq": iree_qdq, "qcompile": qcompile_cpu, "qcompile_stock": qcompile_stock,
+    "ort_int8_dynamic": ort_int8_dynamic, "iree_qdq": iree_qdq, "qcompile": qcompile_cpu,
+    "qcompile_stock": qcompile_stock,
 }
 
 

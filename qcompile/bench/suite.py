@@ -27,7 +27,7 @@ from qcompile.ir.graph import Graph, Op
 from qcompile.recipe import Recipe
 
 NOISY_SPREAD = 1.5
-INT8_ENGINES = ("qcompile", "ort_int8", "pt2e_inductor_int8")
+INT8_ENGINES = ("qcompile", "ort_int8", "ort_int8_dynamic", "pt2e_inductor_int8")
 
 
 def int8_ops(graph: Graph) -> int:
