@@ -5,7 +5,7 @@ into IREE's executables through ``hal.executable`` objects.
 * :func:`pack_weights` lays the s8 weights out for the kernel; :func:`pack_params` writes the
   shape header and the per-channel requantize tables (i64).
 * :func:`executable_mlir` is the ``hal.executable`` that calls the kernel: a workgroup grid of
-  (64-channel blocks, output rows, batch).
+  (64-channel blocks, chunks of output pixels, batch).
 
 The kernel reads u8 NHWC input already padded by its zero point (the caller's pad also rounds
 the channels up to a multiple of 4; those weights are zero), and writes the requantized int8
@@ -103,6 +103,18 @@ class ConvShape:
     def blocks(self) -> int:
         return -(-self.fp // BLOCK)
 
+    @property
+    def chunk(self) -> int:
+        """Output pixels per workgroup (flattened over the output rows): about one row's
+        worth, a multiple of the kernel's 6-pixel tile, so that a row whose width is no multiple
+        of 6 does not end in a short tile."""
+        pixels = self.oh * self.ow
+        return 6 * -(-pixels // (self.oh * 6))
+
+    @property
+    def chunks(self) -> int:
+        return -(-(self.oh * self.ow) // self.chunk)
+
 
 def padded_channels(c: int) -> int:
     return -(-c // 4) * 4
@@ -142,8 +154,8 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     with np.errstate(over="ignore"):
         add = (np.left_shift(np.int64(1), shift_c - 1) - np.int64(res_zp) * m1_c).astype(np.int64)
     h = np.zeros(HEADER, np.int64)
-    h[:20] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
-              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride]
+    h[:21] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride, s.chunk]
     return np.concatenate([h, chan(bias), chan(m0), m1_c, add, shift_c])
 
 
@@ -220,7 +232,7 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
       hal.executable.export public @{entry} ordinal(0) layout({layout})
           count(%device: !hal.device) -> (index, index, index) {{
         %x = arith.constant {s.blocks} : index
-        %y = arith.constant {s.oh} : index
+        %y = arith.constant {s.chunks} : index
         %z = arith.constant {s.n} : index
         hal.return %x, %y, %z : index, index, index
       }}

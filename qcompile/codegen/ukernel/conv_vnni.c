@@ -9,8 +9,9 @@
 // where bias holds the folded zero-point terms and add = 2^(shift-1) - z_res * m1. All i64
 // arithmetic wraps exactly like the reference's numpy int64, so the result is bit-exact.
 //
-// One call computes one output row (n, oh) for one block of up to 64 output channels; IREE's
-// workgroup grid is (channel blocks, OH, N). A second entry, qk_matmul_u8s8, runs the same tiles
+// One call computes one chunk of output pixels of image n (H_CHUNK of them, flattened over the
+// output rows) for one block of up to 64 output channels; IREE's workgroup grid is (channel
+// blocks, chunks, N). A second entry, qk_matmul_u8s8, runs the same tiles
 // as a batch of GEMMs (linears are 1x1 convs of the first entry): per-image weights packed at run
 // time and the i32 zero-point terms of two run-time operands added before the requantize. Called through hal.executable objects with bare
 // pointers: each buffer is (pointer, element offset).
@@ -23,7 +24,7 @@
 
 enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
-  H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, HEADER = 32
+  H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, HEADER = 32
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -35,19 +36,19 @@ typedef struct {
   int64_t c, kh, kw, sw, dh, dw;
 } conv_args;
 
-// Accumulators of MR output pixels x NR*16 channels.
-INLINE void tile(const conv_args* a, const uint8_t* x0, __m512i acc[6][4], int MR, int NR) {
+// Accumulators of MR output pixels x NR*16 channels; xs[m]: pixel m's window origin (the
+// pixels of a tile may lie on different output rows).
+INLINE void tile(const conv_args* a, const uint8_t* const* xs, __m512i acc[6][4], int MR,
+                 int NR) {
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
   const int8_t* w = a->w;
-  const int64_t step = a->sw * a->c;       // input bytes between neighbouring output pixels
   const int64_t quads = a->c >> 2;
   for (int64_t i = 0; i < a->kh; ++i) {
-    const uint8_t* xr = x0 + i * a->dh * a->row;
     for (int64_t k = 0; k < a->kw; ++k) {
-      const uint8_t* xk = xr + k * a->dw * a->c;
+      const int64_t off = i * a->dh * a->row + k * a->dw * a->c;
       for (int64_t q = 0; q < quads; ++q) {
         __m512i wv[4];
 #pragma GCC unroll 4
@@ -55,7 +56,7 @@ INLINE void tile(const conv_args* a, const uint8_t* x0, __m512i acc[6][4], int M
         w += 64 * NR;
 #pragma GCC unroll 6
         for (int m = 0; m < MR; ++m) {
-          __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xk + m * step + 4 * q));
+          __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xs[m] + off + 4 * q));
 #pragma GCC unroll 4
           for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
         }
@@ -112,10 +113,10 @@ typedef struct {
 } terms_args;
 
 INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
-                     const uint8_t* x0, int64_t c0, int64_t f, const uint8_t* r, uint8_t* y,
-                     int MR, int NR) {
+                     const uint8_t* const* xs, int64_t c0, int64_t f, const uint8_t* r,
+                     uint8_t* y, int MR, int NR) {
   __m512i acc[6][4];
-  tile(a, x0, acc, MR, NR);
+  tile(a, xs, acc, MR, NR);
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -135,11 +136,11 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
 }
 
 #define TILE_CASE(MR, NR) \
-  case MR: run_tile(a, e, t, x0, c0, f, r, y, MR, NR); break;
+  case MR: run_tile(a, e, t, xs, c0, f, r, y, MR, NR); break;
 #define TILES(NR)                                                                         \
   static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
-                         const uint8_t* x0, int64_t c0, int64_t f, const uint8_t* r,      \
-                         uint8_t* y, int mr) {                                            \
+                         const uint8_t* const* xs, int64_t c0, int64_t f,                 \
+                         const uint8_t* r, uint8_t* y, int mr) {                          \
     switch (mr) {                                                                         \
       TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
       TILE_CASE(5, NR) TILE_CASE(6, NR)                                                   \
@@ -150,13 +151,14 @@ TILES(2)
 TILES(3)
 TILES(4)
 
-// One output row (n, oh) of one 64-channel block; `terms` (matmuls only, else 0) holds the
-// per-pixel terms [N][OH * OW] then the per-channel terms [N][FP], and each image n has its own
-// packed weights (H_WSTRIDE bytes apart; 0 for convs, whose images share them).
-static void conv_row(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
-                     const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
-                     const int32_t* terms, uint8_t* yb, int64_t yo, int64_t blk, int64_t oh,
-                     int64_t n) {
+// One chunk of H_CHUNK output pixels (flattened over OH x OW, so a tile of 6 may span rows) of
+// image n for one 64-channel block; `terms` (matmuls only, else 0) holds the per-pixel terms
+// [N][OH * OW] then the per-channel terms [N][FP], and each image n has its own packed weights
+// (H_WSTRIDE bytes apart; 0 for convs, whose images share them).
+static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                       const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
+                       const int32_t* terms, uint8_t* yb, int64_t yo, int64_t blk,
+                       int64_t chunk, int64_t n) {
   const int64_t* h = pb + po;
   const int64_t hp = h[H_HP], wp = h[H_WP], c = h[H_C], kh = h[H_KH], kw = h[H_KW];
   const int64_t ow = h[H_OW], f = h[H_F], fp = h[H_FP], ohn = h[H_OH];
@@ -175,42 +177,52 @@ static void conv_row(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo
   e.shift = per + 4 * fp;
   e.zout = h[H_ZOUT]; e.qmin = h[H_QMIN]; e.qmax = h[H_QMAX];
   e.res = (int)h[H_RES]; e.res_signed = (int)h[H_RES_SIGNED];
-  const uint8_t* x_row = a.x + oh * h[H_SH] * a.row;
-  const int64_t out_row = ((n * ohn + oh) * ow) * f;
-  uint8_t* y = yb + yo + out_row;
-  const uint8_t* r = e.res ? rb + ro + out_row : 0;
-  const int64_t step = a.sw * c;
+  const int64_t pixels = ohn * ow;
+  const int64_t p0 = chunk * h[H_CHUNK];
+  const int64_t p1 = p0 + h[H_CHUNK] < pixels ? p0 + h[H_CHUNK] : pixels;
+  const int64_t image = n * pixels;              // the image's first output pixel
   terms_args tt;
   const terms_args* t = 0;
   if (terms) {
-    tt.col = terms + h[H_N] * ohn * ow + n * fp;
+    tt.col = terms + h[H_N] * pixels + n * fp;
     t = &tt;
   }
-  for (int64_t p = 0; p < ow; p += 6) {
-    int mr = ow - p >= 6 ? 6 : (int)(ow - p);
-    const uint8_t* x0 = x_row + p * step;
-    uint8_t* yp = y + p * f + c0;
-    const uint8_t* rp = r ? r + p * f + c0 : 0;
-    if (terms) tt.row = terms + (n * ohn + oh) * ow + p;
+  const int64_t sh_row = h[H_SH] * a.row, sw_c = a.sw * c;
+  int64_t oy = p0 / ow, ox = p0 - (p0 / ow) * ow;    // the next pixel's output row and column
+  for (int64_t p = p0; p < p1; p += 6) {
+    int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
+    const uint8_t* xs[6];
+#pragma GCC unroll 6
+    for (int m = 0; m < 6; ++m) {
+      if (m < mr) {
+        xs[m] = a.x + oy * sh_row + ox * sw_c;
+        if (++ox == ow) { ox = 0; ++oy; }
+      } else {
+        xs[m] = a.x;
+      }
+    }
+    uint8_t* yp = yb + yo + (image + p) * f + c0;
+    const uint8_t* rp = e.res ? rb + ro + (image + p) * f + c0 : 0;
+    if (terms) tt.row = terms + image + p;
     switch (nr) {
-      case 1: tiles_1(&a, &e, t, x0, c0, f, rp, yp, mr); break;
-      case 2: tiles_2(&a, &e, t, x0, c0, f, rp, yp, mr); break;
-      case 3: tiles_3(&a, &e, t, x0, c0, f, rp, yp, mr); break;
-      default: tiles_4(&a, &e, t, x0, c0, f, rp, yp, mr); break;
+      case 1: tiles_1(&a, &e, t, xs, c0, f, rp, yp, mr); break;
+      case 2: tiles_2(&a, &e, t, xs, c0, f, rp, yp, mr); break;
+      case 3: tiles_3(&a, &e, t, xs, c0, f, rp, yp, mr); break;
+      default: tiles_4(&a, &e, t, xs, c0, f, rp, yp, mr); break;
     }
   }
 }
 
 void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
                     const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
-                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oh, int64_t n) {
-  conv_row(xb, xo, wb, wo, pb, po, rb, ro, 0, yb, yo, blk, oh, n);
+                    uint8_t* yb, int64_t yo, int64_t blk, int64_t chunk, int64_t n) {
+  conv_chunk(xb, xo, wb, wo, pb, po, rb, ro, 0, yb, yo, blk, chunk, n);
 }
 
 // A batch of GEMMs x[n] (u8, [M, K]) times w[n] (s8, packed per image) with the zero-point terms
 // of both run-time operands (`terms`, i32) and the requantize.
 void qk_matmul_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
                     const int64_t* pb, int64_t po, const int32_t* tb, int64_t to,
-                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oh, int64_t n) {
-  conv_row(xb, xo, wb, wo, pb, po, 0, 0, tb + to, yb, yo, blk, oh, n);
+                    uint8_t* yb, int64_t yo, int64_t blk, int64_t chunk, int64_t n) {
+  conv_chunk(xb, xo, wb, wo, pb, po, 0, 0, tb + to, yb, yo, blk, chunk, n);
 }
