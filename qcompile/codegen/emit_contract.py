@@ -134,8 +134,14 @@ def _qconv(em: Emitter, n: Node, v: list[Value]) -> Value:
     w = _weights_ohwi(n)
     bias = np.asarray(n.src[2].attrs.value)
     (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
-    with em.loc(n, ".copy"):
-        xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, 0], b.ci(zp, 8))
+    from qcompile.codegen.emit_ukernel import prepadded
+
+    pre = None if nchw else prepadded(em, n, (ph, pw))
+    if pre is not None:
+        xp = pre
+    else:
+        with em.loc(n, ".copy"):
+            xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, 0], b.ci(zp, 8))
     f, kh, kw, cg = w.shape
     nb, _, _, c = x.shape
     oh, ow = (n.shape[2], n.shape[3]) if nchw else (n.shape[1], n.shape[2])

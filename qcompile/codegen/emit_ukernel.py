@@ -130,10 +130,19 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         nb, h, wd, _ = x.shape
         (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
         cp = ukernel.padded_channels(c)
-        with em.loc(conv, ".copy"):
-            xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
+        pre = prepadded(em, conv, (ph, pw))
+        if pre is not None and cp == c:
+            xp = pre
+        else:
+            with em.loc(conv, ".copy"):
+                xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
         s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
                               rq_node.shape[1], rq_node.shape[2])
+    nxt = _padded_reader(em, rq_node) if conv.op is Op.QCONV2D else None
+    if nxt is not None:
+        # written straight into the next conv's zero-point-padded input (the kernel writes
+        # the border too): no pad copy between the two dispatches
+        s = replace(s, out_pad=tuple(nxt.attrs.padding), out_fill=int(nxt.attrs.x_zp))
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
     extra: dict[str, Any] = {}
     operands = [_flat(xp), b.constant(ukernel.pack_weights(w), DType.I8)]
@@ -147,10 +156,40 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         operands.append(_flat(res))
     prefix = PREFIX if conv.op is Op.QCONV2D else MATMUL_PREFIX
     name = f"{prefix}{em.ids[id(conv)]}_{em.ids[id(rq_node)]}"
-    out = _call(em, name, operands, s.n * s.oh * s.ow * s.f, rq_node.dtype)
+    out = _call(em, name, operands, s.out_size, rq_node.dtype)
     em.uk_calls.append(UkCall(name, s, params.size, operands[1].shape[0], len(operands) == 4,
                               conv.loc))
-    return b.reshape(out, rq_node.shape)
+    if nxt is None:
+        return b.reshape(out, rq_node.shape)
+    pt, pl = s.out_pad
+    padded = b.reshape(out, (s.n, s.oh + 2 * pt, s.ow + 2 * pl, s.f))
+    em.prepadded[id(rq_node)] = (padded, s.out_pad)
+    return b.extract_slice(padded, [0, pt, pl, 0], list(rq_node.shape), [1, 1, 1, 1])
+
+
+def _padded_reader(em: Emitter, rq_node: Node) -> Node | None:
+    """The one NHWC conv that reads ``rq_node`` (u8) through a zero-point pad, when the kernel can
+    write into that padded buffer: no other reader, not a graph output, and no channel padding
+    needed by a microkernel reader."""
+    readers = em.users.get(id(rq_node), [])
+    if len(readers) != 1 or rq_node.dtype is not DType.U8 or \
+            any(o is rq_node for o in em.graph.outputs):
+        return None
+    nxt = readers[0]
+    if nxt.op is not Op.QCONV2D or nxt.src[0] is not rq_node or \
+            nxt.attrs.get("layout") != "nhwc" or tuple(nxt.attrs.padding) == (0, 0):
+        return None
+    if id(nxt) in em.uk_chains and rq_node.shape[-1] != ukernel.padded_channels(
+            rq_node.shape[-1]):
+        return None
+    return nxt
+
+
+def prepadded(em: Emitter, conv: Node, pads: tuple[int, int]) -> TV | None:
+    """``conv``'s input as the microkernel already wrote it, padded by ``pads`` with the conv's
+    zero point (:func:`_padded_reader`), or None."""
+    got = em.prepadded.get(id(conv.src[0]))
+    return got[0] if got is not None and got[1] == tuple(pads) else None
 
 
 # output pixels per kernel row when a linear runs as a 1×1 conv: its M rows are split into

@@ -104,6 +104,9 @@ class Emitter:
         self.uk_calls: list[emit_ukernel.UkCall] = []
         self.module: ir.Module | None = None
         self.values: dict[int, Value] = {}     # emitted so far (node id → value)
+        # microkernel outputs written into their reader's zero-point-padded input: node id →
+        # (padded tensor, (pad rows, pad columns)) (emit_ukernel.prepadded)
+        self.prepadded: dict[int, tuple[TV, tuple[int, int]]] = {}
 
     def loc(self, n: Node, part: str = "") -> ir.Location:
         return ir.Location.name(f"qir{self.ids[id(n)]}{part}")

@@ -94,6 +94,14 @@ class ConvShape:
     ow: int
     wstride: int = 0     # bytes between the packed weights of two images (0: shared weights)
     f_round: int = 16    # output channels padded to a multiple of this (64: uniform blocks)
+    out_pad: tuple[int, int] = (0, 0)   # output border rows / columns per side
+    out_fill: int = 0                   # the border's value (u8 code)
+
+    @property
+    def out_size(self) -> int:
+        """Elements of the output buffer (border included)."""
+        pt, pl = self.out_pad
+        return self.n * (self.oh + 2 * pt) * (self.ow + 2 * pl) * self.f
 
     @property
     def fp(self) -> int:
@@ -154,8 +162,9 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     with np.errstate(over="ignore"):
         add = (np.left_shift(np.int64(1), shift_c - 1) - np.int64(res_zp) * m1_c).astype(np.int64)
     h = np.zeros(HEADER, np.int64)
-    h[:21] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
-              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride, s.chunk]
+    h[:24] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride, s.chunk,
+              *s.out_pad, s.out_fill]
     return np.concatenate([h, chan(bias), chan(m0), m1_c, add, shift_c])
 
 
@@ -204,7 +213,7 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
         ins.append(("i32", s.n * (s.oh * s.ow + s.fp)))
     elif residual:
         ins.append(("i8", s.n * s.oh * s.ow * s.f))
-    out = ("i8", s.n * s.oh * s.ow * s.f)
+    out = ("i8", s.out_size)
     binds = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * len(ins)
                       + ["#hal.pipeline.binding<storage_buffer>"])
     layout = f"#hal.pipeline.layout<bindings = [{binds}]>"

@@ -24,7 +24,8 @@
 
 enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
-  H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, HEADER = 32
+  H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
+  H_YFILL, HEADER = 32
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -114,7 +115,7 @@ typedef struct {
 
 INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
                      const uint8_t* const* xs, int64_t c0, int64_t f, const uint8_t* r,
-                     uint8_t* y, int MR, int NR) {
+                     uint8_t* const* ys, int MR, int NR) {
   __m512i acc[6][4];
   tile(a, xs, acc, MR, NR);
 #pragma GCC unroll 6
@@ -131,16 +132,16 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
         v = _mm512_add_epi32(v, _mm512_set1_epi32(t->row[m]));
         v = _mm512_add_epi32(v, _mm512_loadu_si512((const void*)(t->col + c)));
       }
-      store16(v, e, c, r ? r + m * f + 16 * j : 0, y + m * f + 16 * j, mask);
+      store16(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
     }
 }
 
 #define TILE_CASE(MR, NR) \
-  case MR: run_tile(a, e, t, xs, c0, f, r, y, MR, NR); break;
+  case MR: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR); break;
 #define TILES(NR)                                                                         \
   static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
                          const uint8_t* const* xs, int64_t c0, int64_t f,                 \
-                         const uint8_t* r, uint8_t* y, int mr) {                          \
+                         const uint8_t* r, uint8_t* const* ys, int mr) {                  \
     switch (mr) {                                                                         \
       TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
       TILE_CASE(5, NR) TILE_CASE(6, NR)                                                   \
@@ -181,6 +182,29 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   const int64_t p0 = chunk * h[H_CHUNK];
   const int64_t p1 = p0 + h[H_CHUNK] < pixels ? p0 + h[H_CHUNK] : pixels;
   const int64_t image = n * pixels;              // the image's first output pixel
+  // the output may be the next conv's padded input: H_YPT rows and H_YPL columns of border on
+  // each side, filled with H_YFILL (the next conv's zero point) by the chunks they touch
+  const int64_t pt = h[H_YPT], pl = h[H_YPL], owp = ow + 2 * pl;
+  uint8_t* ybase = yb + yo + n * (ohn + 2 * pt) * owp * f + c0;
+  if (pt || pl) {
+    const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
+    const int64_t left = f - c0;
+    const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+    const int64_t r0 = p0 / ow, r1 = (p1 - 1) / ow;   // output rows this chunk touches
+    for (int64_t r = r0; r <= r1; ++r) {
+      uint8_t* row = ybase + (r + pt) * owp * f;
+      if (r * ow >= p0)                                   // the row starts in this chunk
+        for (int64_t x = 0; x < pl; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
+      if (r * ow + ow <= p1)                              // the row ends in this chunk
+        for (int64_t x = ow + pl; x < owp; ++x)
+          _mm512_mask_storeu_epi8(row + x * f, mask, fill);
+    }
+    if (p0 == 0)
+      for (int64_t x = 0; x < pt * owp; ++x) _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
+    if (p1 == pixels)
+      for (int64_t x = (ohn + pt) * owp; x < (ohn + 2 * pt) * owp; ++x)
+        _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
+  }
   terms_args tt;
   const terms_args* t = 0;
   if (terms) {
@@ -192,23 +216,25 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   for (int64_t p = p0; p < p1; p += 6) {
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
     const uint8_t* xs[6];
+    uint8_t* ys[6];
 #pragma GCC unroll 6
     for (int m = 0; m < 6; ++m) {
       if (m < mr) {
         xs[m] = a.x + oy * sh_row + ox * sw_c;
+        ys[m] = ybase + ((oy + pt) * owp + ox + pl) * f;
         if (++ox == ow) { ox = 0; ++oy; }
       } else {
         xs[m] = a.x;
+        ys[m] = ybase;
       }
     }
-    uint8_t* yp = yb + yo + (image + p) * f + c0;
     const uint8_t* rp = e.res ? rb + ro + (image + p) * f + c0 : 0;
     if (terms) tt.row = terms + image + p;
     switch (nr) {
-      case 1: tiles_1(&a, &e, t, xs, c0, f, rp, yp, mr); break;
-      case 2: tiles_2(&a, &e, t, xs, c0, f, rp, yp, mr); break;
-      case 3: tiles_3(&a, &e, t, xs, c0, f, rp, yp, mr); break;
-      default: tiles_4(&a, &e, t, xs, c0, f, rp, yp, mr); break;
+      case 1: tiles_1(&a, &e, t, xs, c0, f, rp, ys, mr); break;
+      case 2: tiles_2(&a, &e, t, xs, c0, f, rp, ys, mr); break;
+      case 3: tiles_3(&a, &e, t, xs, c0, f, rp, ys, mr); break;
+      default: tiles_4(&a, &e, t, xs, c0, f, rp, ys, mr); break;
     }
   }
 }
