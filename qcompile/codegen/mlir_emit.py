@@ -268,7 +268,12 @@ def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
     """``f32(x + bias - zp) * s[c]``."""
     qp = n.attrs.qp
     src = v[0]
-    if em.opts.split_dequant and isinstance(src, Acc):
+    # a dequantize that feeds a float island (not just a graph output) is fenced from its GEMM:
+    # fused, IREE 3.13's LLVM serialization of that dispatch is pathological (MiniLM, whose
+    # out-projection and FFN-down dequantize into the float residual stream: 287 s in
+    # SerializeTargetExecutablesPass against 9 s for the whole module fenced); the fence costs
+    # one i32 write of the accumulator
+    if isinstance(src, Acc) and (em.opts.split_dequant or em.users.get(id(n))):
         src = Acc(b.barrier(src.tv), src.bias, src.axis)
     x = src.tv if isinstance(src, Acc) else src
     bias = per_channel(src.bias, 32, src.axis) if isinstance(src, Acc) and \
