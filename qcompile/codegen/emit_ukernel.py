@@ -76,8 +76,10 @@ def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
         return f"epilogue is {rq.op.value}, not a requantize"
     if rq.src[0] is not conv or conv in rq.src[1:]:
         return "accumulator is not the requantize's first term"
-    if len(rq.src) > 2 or (len(rq.src) == 2 and conv.op is Op.QMATMUL):
-        return "more than one residual term" if len(rq.src) > 2 else "a matmul with a residual"
+    if len(rq.src) > 2:
+        return "more than one residual term"
+    if len(rq.src) == 2 and conv.op is Op.QMATMUL:
+        return "a matmul with a residual"
     if len(rq.src) == 2 and (not rq.src[1].dtype.is_int8 or rq.src[1].shape != rq.shape):
         return "residual term is not an int8 tensor of the output's shape"
     r = rq.attrs.rq
@@ -222,8 +224,9 @@ def _emit_matmul(em: Emitter, rq_node: Node, x: TV, y: TV) -> TV:
     bnk = b.reshape(bs, (bt, nn, k)) if yt is not None else \
         b.transpose(b.reshape(bs, (bt, k, nn)), (0, 2, 1))
     kp, oh, ow = ukernel.padded_channels(k), *_rows(m)
-    s = ukernel.ConvShape(bt, oh, ow, kp, nn, 1, 1, 1, 1, 1, 1, oh, ow, f_round=ukernel.BLOCK)
-    s = replace(s, wstride=s.fp * kp)
+    fp = -(-nn // ukernel.BLOCK) * ukernel.BLOCK              # every block 64 channels wide
+    s = ukernel.ConvShape(bt, oh, ow, kp, nn, 1, 1, 1, 1, 1, 1, oh, ow, wstride=fp * kp,
+                          f_round=ukernel.BLOCK)
     with em.loc(mm, ".copy"):
         xp = b.pad(b.reshape(a3, (bt, oh, ow, k)), [0] * 4, [0, 0, 0, kp - k], b.ci(za, 8))
         wp = b.pad(bnk, [0] * 3, [0, s.fp - nn, kp - k], b.ci(0, 8))

@@ -116,8 +116,7 @@ class ConvShape:
         """Output pixels per workgroup (flattened over the output rows): about one row's
         worth, a multiple of the kernel's 6-pixel tile, so that a row whose width is no multiple
         of 6 does not end in a short tile."""
-        pixels = self.oh * self.ow
-        return 6 * -(-pixels // (self.oh * 6))
+        return 6 * -(-self.ow // 6)
 
     @property
     def chunks(self) -> int:

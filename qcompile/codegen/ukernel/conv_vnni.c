@@ -212,7 +212,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     t = &tt;
   }
   const int64_t sh_row = h[H_SH] * a.row, sw_c = a.sw * c;
-  int64_t oy = p0 / ow, ox = p0 - (p0 / ow) * ow;    // the next pixel's output row and column
+  int64_t oy = p0 / ow, ox = p0 % ow;    // the next pixel's output row and column
   for (int64_t p = p0; p < p1; p += 6) {
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
     const uint8_t* xs[6];
