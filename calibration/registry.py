@@ -15,11 +15,13 @@ from calibration.readers.npz import NpzReader
 from calibration.readers.random_inputs import RandomReader
 from calibration.readers.sample_photos import SamplePhotosReader
 from calibration.readers.sentences import SentencesReader
+from calibration.readers.word_similarity import WordSimilarityReader
 from qcompile.errors import DatasetError
 
 READERS: dict[str, type] = {
     cls.name: cls
-    for cls in (RandomReader, DigitsReader, SamplePhotosReader, SentencesReader, NpzReader)
+    for cls in (RandomReader, DigitsReader, SamplePhotosReader, SentencesReader, NpzReader,
+                WordSimilarityReader)
 }
 
 

@@ -20,6 +20,8 @@ from calibration import (
 )
 from calibration.methods import METHODS, observer_ctr, x86_config
 from calibration.percentile import PercentileObserver
+from calibration.readers import word_similarity
+from calibration.readers.word_similarity import load_pairs
 from qcompile.errors import DatasetError, RecipeError
 
 IMAGENET = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
@@ -64,8 +66,9 @@ def token_spec() -> InputSpec:
 
 
 def test_registry__names_and_protocol():
-    assert reader_names() == ("digits", "npz", "random", "sample_photos", "sentences")
-    for name in ("digits", "random", "sample_photos", "sentences"):
+    assert reader_names() == (
+        "digits", "npz", "random", "sample_photos", "sentences", "word_similarity")
+    for name in ("digits", "random", "sample_photos", "sentences", "word_similarity"):
         reader = get_reader(name)
         assert isinstance(reader, DatasetReader) and reader.name == name
 
@@ -262,6 +265,56 @@ def test_sentences__refuses_other_models_and_needs_tokenizer(token_spec):
     no_tokenizer = InputSpec(token_spec.shapes, token_spec.dtypes, "tokens")
     with pytest.raises(DatasetError, match="needs the model's tokenizer"):
         read_all(get_reader("sentences"), no_tokenizer, "calibration")
+
+
+# --- word_similarity ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("benchmark", "pairs", "first"), [
+    ("simlex999", 999, ("old", "new", 1.58)), ("wordsim353", 353, ("love", "sex", 6.77))])
+def test_word_similarity__pairs_from_gensim_data(benchmark, pairs, first):
+    all_pairs = load_pairs(benchmark)
+    assert len(all_pairs) == pairs and all_pairs[0] == first
+    assert all(0.0 <= score <= 10.0 for _, _, score in all_pairs)
+    reader = get_reader("word_similarity", benchmark=benchmark)
+    cal, ev = reader.pairs("calibration"), reader.pairs("evaluation")
+    assert len(cal) + len(ev) == pairs and not {i for i, _ in cal} & {i for i, _ in ev}
+    assert reader.num_samples("evaluation") == 2 * len(ev)
+
+
+def test_word_similarity__pairs_as_consecutive_tokenised_samples(token_spec):
+    reader = get_reader("word_similarity")
+    batches = read_all(reader, token_spec, "evaluation", batch_size=32)
+    ids = stacked(batches)
+    labels = torch.cat([b.labels for b in batches])
+    assert len(ids) == len(labels) == reader.num_samples("evaluation") == 998
+    assert labels.dtype == torch.float64 and labels.shape == (998, 2)
+    assert torch.equal(labels[0::2], labels[1::2])  # both words of a pair carry its label
+    assert labels[:2, 0].tolist() == [1.0, 1.0] and labels[0, 1] == 9.2  # smart / intelligent
+    tokenizer = token_spec.tokenizer
+    assert torch.equal(ids[:2], tokenizer(["smart", "intelligent"], SEQ_LEN)[0])
+    (first,) = read_all(reader, token_spec, "evaluation", batch_size=5, num_batches=1)
+    assert first.inputs[0].shape == (5, SEQ_LEN) and torch.equal(first.labels, labels[:5])
+
+
+def test_word_similarity__errors(token_spec, monkeypatch, tmp_path):
+    with pytest.raises(DatasetError, match=r"unknown word-similarity benchmark 'men'(.|\n)*simlex"):
+        get_reader("word_similarity", benchmark="men")
+    with pytest.raises(DatasetError, match=r"'word_similarity' cannot feed(.|\n)*kind 'tokens'"):
+        read_all(get_reader("word_similarity"), PHOTO_SPEC, "evaluation")
+    monkeypatch.setattr(word_similarity.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DatasetError, match=r"needs the wordsim353 file(.|\n)*pip install gensim"):
+        word_similarity.benchmark_path("wordsim353")
+    monkeypatch.undo()
+    bad = tmp_path / "simlex999.txt"
+    bad.write_text("# header\nold\tnew\t1.5\ncat\tdog\n")
+    monkeypatch.setattr(word_similarity, "benchmark_path", lambda name: bad)
+    word_similarity.load_pairs.cache_clear()
+    try:
+        with pytest.raises(DatasetError, match=r"cannot read line 3 of simlex999(.|\n)*'cat"):
+            load_pairs("simlex999")
+    finally:
+        word_similarity.load_pairs.cache_clear()
 
 
 # --- npz ----------------------------------------------------------------------------------------

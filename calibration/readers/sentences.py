@@ -9,7 +9,7 @@ outside 5–40 words are dropped. The result is deterministic for a given Python
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import cache
 
 import torch
@@ -27,7 +27,6 @@ from calibration.readers._base import (
 from qcompile.errors import DatasetError
 
 FITS = "token models (kind 'tokens': input_ids and optionally attention_mask, (N, seq_len))"
-Tokenizer = Callable[[list[str], int], tuple[torch.Tensor, torch.Tensor]]
 MIN_WORDS, MAX_WORDS = 5, 40
 _PARAGRAPH = re.compile(r"\n\s*\n")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -90,31 +89,37 @@ class SentencesReader:
         """Tokenised batches of ``split``'s sentences in their fixed order."""
         check_split(self.name, split)
         check_batching(self.name, batch_size, num_batches)
-        if spec.kind != "tokens" or len(spec.shapes) not in (1, 2) or len(spec.shapes[0]) != 2:
-            raise kind_mismatch(self.name, spec, FITS)
-        if spec.tokenizer is None:
-            raise DatasetError(
-                "dataset 'sentences' needs the model's tokenizer",
-                at=f"dataset reader 'sentences', model takes {describe(spec)}",
-                why="InputSpec.tokenizer is None, so text cannot become token ids",
-                next="set InputSpec.tokenizer to a function (texts, seq_len) -> (ids, mask)",
-            )
+        check_token_spec(self.name, spec)
         texts = load_sentences(split)
         if num_batches is not None:
             texts = texts[: batch_size * num_batches]
-        inputs = _tokenize(spec, spec.tokenizer, texts)
-        yield from batched(inputs, None, batch_size, num_batches)
+        yield from batched(tokenize_texts(self.name, spec, texts), None, batch_size, num_batches)
 
 
-def _tokenize(spec: InputSpec, tokenizer: Tokenizer, texts: list[str]) -> tuple[torch.Tensor, ...]:
+def check_token_spec(reader: str, spec: InputSpec) -> None:
+    """Raise a DatasetError unless ``spec`` is a token model with a tokenizer."""
+    if spec.kind != "tokens" or len(spec.shapes) not in (1, 2) or len(spec.shapes[0]) != 2:
+        raise kind_mismatch(reader, spec, FITS)
+    if spec.tokenizer is None:
+        raise DatasetError(
+            f"dataset {reader!r} needs the model's tokenizer",
+            at=f"dataset reader {reader!r}, model takes {describe(spec)}",
+            why="InputSpec.tokenizer is None, so text cannot become token ids",
+            next="set InputSpec.tokenizer to a function (texts, seq_len) -> (ids, mask)",
+        )
+
+
+def tokenize_texts(reader: str, spec: InputSpec, texts: list[str]) -> tuple[torch.Tensor, ...]:
+    """``texts`` through the spec's tokenizer (checked by :func:`check_token_spec` first), padded
+    and truncated to the spec's ``seq_len``, cast to its dtypes."""
     seq_len = spec.shapes[0][1]
-    ids, mask = tokenizer(texts, seq_len)
+    ids, mask = spec.tokenizer(texts, seq_len)  # type: ignore[misc]
     for name, t in (("input_ids", ids), ("attention_mask", mask)):
         if tuple(t.shape) != (len(texts), seq_len):
             raise DatasetError(
                 f"the tokenizer returned {name} of shape {tuple(t.shape)}, "
                 f"expected {(len(texts), seq_len)}",
-                at=f"dataset reader 'sentences', model takes {describe(spec)}",
+                at=f"dataset reader {reader!r}, model takes {describe(spec)}",
                 why="InputSpec.tokenizer must pad and truncate every text to seq_len tokens",
                 next="call the tokenizer with padding='max_length', truncation=True, "
                 "max_length=seq_len",

@@ -47,6 +47,26 @@ def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(np.argmax(logits, axis=1) == labels))
 
 
+def is_pair_labels(labels: np.ndarray | None) -> bool:
+    """Labels of a word/sentence-pair dataset: one ``(pair index, human score)`` row per sample."""
+    return labels is not None and labels.ndim == 2 and labels.shape[1] == 2
+
+
+def pair_spearman(embeddings: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
+    """Spearman rank correlation between the cosine of each pair's two embeddings and its human
+    score, and the number of pairs used (pairs cut in half by a dropped sample are left out)."""
+    from scipy.stats import spearmanr
+
+    rows = np.argsort(labels[:, 0], kind="stable")
+    ids = labels[rows, 0]
+    same = np.flatnonzero(ids[:-1] == ids[1:])  # each pair index appears at most twice
+    first, second = rows[same], rows[same + 1]
+    if len(first) < 3:
+        return float("nan"), int(len(first))
+    cos = cosine_per_sample(embeddings[first], embeddings[second])
+    return float(spearmanr(cos, labels[first, 1]).statistic), int(len(first))
+
+
 @dataclass(frozen=True)
 class Comparison:
     """``test`` (int8) measured against ``reference`` (float), plus task metrics per side."""
@@ -77,4 +97,7 @@ def compare_outputs(reference: np.ndarray, test: np.ndarray, *, task: str,
         if labels is not None:
             float_m["accuracy"] = accuracy(reference, labels)
             int8_m["accuracy"] = accuracy(test, labels)
+    if task == "embedding" and is_pair_labels(labels):
+        float_m["spearman"], compare["pairs"] = pair_spearman(reference, labels)  # type: ignore[arg-type]
+        int8_m["spearman"], _ = pair_spearman(test, labels)  # type: ignore[arg-type]
     return Comparison(compare, float_m, int8_m)
