@@ -180,3 +180,15 @@ def test_cli_compile_then_exec(tmp_path):
     result = cli.invoke(app, ["exec", str(out), "-i", str(wrong), "-o", str(tmp_path / "z.npz")])
     assert result.exit_code == 2 and "does not fit the compiled model" in result.output
     assert not (tmp_path / "z.npz").exists()
+
+
+@pytest.mark.slow
+def test_minilm_word_similarity_on_cpu__task_metric_holds():
+    report = run_recipe(load_recipe(RECIPES / "minilm_word_similarity.yaml"), targets=["cpu"])
+    cpu = report["targets"]["cpu"]
+    assert cpu["status"] == "ok", cpu.get("reason")
+    acc = cpu["accuracy"]
+    assert acc["compare"]["pairs"] == 499 and acc["passed"], acc["checks"]
+    assert acc["float"]["spearman"] > 0.3 and abs(acc["float"]["spearman"] -
+                                                  acc["int8"]["spearman"]) < 0.03
+    assert cpu["exactness"]["vs_reference"]["max_abs_diff"] < 0.15  # float islands, as minilm
