@@ -68,6 +68,7 @@ def _load_emitters() -> None:
     from qcompile.codegen import (  # noqa: F401 - registers emitters
         emit_contract,
         emit_float,
+        emit_norm,
         emit_softmax,
     )
 

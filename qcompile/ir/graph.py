@@ -62,10 +62,12 @@ class Op(Enum):
     LUT = "lut"                     # x_q -> i8/u8; attrs: table (256 entries)
     QSOFTMAX = "qsoftmax"           # x_q -> i8/u8 softmax on codes (qmath); attrs: axis, table
                                     # (i64 exp table), m (output multiplier), zp, range
+    QLAYERNORM = "qlayernorm"       # x_q -> i8/u8 layer norm over the last axis on codes (qmath);
+                                    # attrs: x_zp, e, g, b, sh (i64 per channel), zp, range
 
 
 INTEGER_OPS = frozenset({Op.QCONV2D, Op.QLINEAR, Op.QMATMUL, Op.QMUL, Op.QSUMPOOL2D, Op.QSUM,
-                         Op.REQUANT, Op.LUT, Op.QSOFTMAX})
+                         Op.REQUANT, Op.LUT, Op.QSOFTMAX, Op.QLAYERNORM})
 ANCHOR_OPS = frozenset({Op.QCONV2D, Op.QLINEAR, Op.QMATMUL, Op.QMUL, Op.QSUMPOOL2D, Op.QSUM})
 DATA_MOVEMENT = frozenset({Op.RESHAPE, Op.PERMUTE, Op.CAT, Op.PAD, Op.MAXPOOL2D})
 UNARY_FLOAT = frozenset({Op.RELU, Op.CLAMP, Op.HARDSWISH, Op.SILU, Op.GELU, Op.SIGMOID, Op.TANH})

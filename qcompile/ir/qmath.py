@@ -171,3 +171,74 @@ def softmax_codes(x: np.ndarray, axis: int, table: np.ndarray, multiplier: int, 
     q = zp + (2 * e * multiplier + (total << SOFTMAX_OUT_SHIFT)) // \
         (total << (SOFTMAX_OUT_SHIFT + 1))
     return np.clip(q, *qrange)
+
+
+# -- int8 layer norm -----------------------------------------------------------------------------
+# layer_norm of int8 codes over the last axis (n values), int8 codes out, in integers only:
+#   c = x - zp_x;  S1 = sum(c);  S2 = sum(c^2)                  (i64)
+#   V = n*S2 - S1^2  (= n^2 var, in codes^2);  E = round(eps * n^2 / s_x^2)
+#   root = isqrt((V + E) << 16)  (1 where that is 0)           (= 2^8 * n * std, floored)
+#   R = (2^40 + root // 2) // root                              (= 2^32 / (n * std))
+#   z = round_half_up((n*c - S1) * R, 8)                        ((x - mean) / std, 24 fraction bits)
+#   q = zp_out + round_half_up(z * G[c] + B[c], SH[c])          then clamped,
+# with G = gamma / s_out and B = beta / s_out as fixed point of SH fraction bits (SH - 24 for G).
+# Bounds: |n*c - S1| <= sqrt(n V), so |z| <= sqrt(n) 2^24 < 2^30 for n <= LN_MAX_N; |G| < 2^31 and
+# |B| <= 2^61 keep the i64 sum below 2^62; (V + E) << 16 < 2^53, so a float64 square root is exact
+# to within one before the integer fix-up.
+LN_ROOT_SHIFT = 16
+LN_R_BITS = 40
+LN_Z_SHIFT = 8
+LN_Z_FRAC = 24
+LN_MAX_N = 2896
+LN_MAX_ROOT_ARG = 2**53
+# How targets without an exact isqrt get it: a float32 square root plus this margin lies above
+# isqrt (float32's error there is about 9); Newton's integer step from above never undershoots
+# and cuts an excess e to e^2 / 2r (75 -> 9 -> 0.2), so three steps and one fix-up are exact.
+LN_ISQRT_MARGIN = 64
+LN_NEWTON_STEPS = 3
+
+
+def layernorm_params(x: QParams, n: int, eps: float, gamma: np.ndarray, beta: np.ndarray,
+                     out: QParams) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(E, G, B, SH)`` of the int8 layer norm above, or ``None`` where its integers could
+    overflow (rows longer than ``LN_MAX_N``, an ``eps`` huge against ``s_x``, non-finite affine
+    parameters)."""
+    gamma = np.asarray(gamma, np.float64).reshape(-1)
+    beta = np.asarray(beta, np.float64).reshape(-1)
+    if n > LN_MAX_N or not (np.all(np.isfinite(gamma)) and np.all(np.isfinite(beta))):
+        return None
+    e = int(round(eps * n * n / float(x.scale[0]) ** 2))
+    span = x.dtype.range[1] - x.dtype.range[0]
+    if (n * n * span * span // 4 + e) << LN_ROOT_SHIFT >= LN_MAX_ROOT_ARG:
+        return None
+    g_real, b_real = gamma / out.s, beta / out.s
+    # SH: G gets 31 significant bits unless B would then pass 2^61 (or SH pass MAX_SHIFT)
+    g_bits = np.array([_shift_for(abs(float(v))) for v in g_real]) + LN_Z_FRAC
+    b_room = 61 - np.ceil(np.log2(np.abs(b_real) + 1.0)).astype(np.int64)
+    sh = np.minimum(np.minimum(g_bits, b_room), MAX_SHIFT).astype(np.int64)
+    if np.any(sh < LN_Z_FRAC):
+        return None
+    g = np.round(g_real * np.exp2(sh - LN_Z_FRAC)).astype(np.int64)
+    b = np.round(b_real * np.exp2(sh)).astype(np.int64)
+    return e, g, b, sh
+
+
+def isqrt_rows(v: np.ndarray) -> np.ndarray:
+    """``floor(sqrt(v))`` of non-negative i64 values below 2^53, exactly."""
+    r = np.floor(np.sqrt(v.astype(np.float64))).astype(np.int64)
+    r = r - (r * r > v)
+    return r + ((r + 1) * (r + 1) <= v)
+
+
+def layernorm_codes(x: np.ndarray, zp_x: int, e: int, g: np.ndarray, b: np.ndarray,
+                    sh: np.ndarray, zp: int, qrange: tuple[int, int]) -> np.ndarray:
+    """The int8 layer norm above over the last axis of codes ``x``, as int64 codes."""
+    c = x.astype(np.int64) - zp_x
+    n = c.shape[-1]
+    s1 = c.sum(axis=-1, keepdims=True)
+    s2 = (c * c).sum(axis=-1, keepdims=True)
+    root = np.maximum(isqrt_rows((n * s2 - s1 * s1 + e) << LN_ROOT_SHIFT), 1)
+    r = ((np.int64(1) << LN_R_BITS) + (root >> 1)) // root
+    z = ((n * c - s1) * r + (1 << (LN_Z_SHIFT - 1))) >> LN_Z_SHIFT
+    q = zp + ((z * g + b + (np.int64(1) << (sh - 1))) >> sh)
+    return np.clip(q, *qrange)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from qcompile.ir import qmath
 from qcompile.ir.graph import DATA_MOVEMENT, Graph, Node, Op
 from qcompile.ir.types import DType, QParams, Requant
 
@@ -110,6 +111,28 @@ def _qsoftmax(n: Node) -> str | None:
     return None
 
 
+def _qlayernorm(n: Node) -> str | None:
+    x, a = n.src[0], n.attrs
+    if not n.dtype.is_int8 or n.shape != x.shape or not n.shape:
+        return "qlayernorm maps int8 codes to int8 codes of the same shape"
+    width = n.shape[-1]
+    tables = [a.get(k) for k in ("g", "b", "sh")]
+    if not all(isinstance(t, np.ndarray) and t.dtype == np.int64 and t.shape == (width,)
+               for t in tables):
+        return "qlayernorm needs i64 g, b and sh with one entry per element of the last axis"
+    if np.any(a.sh < qmath.LN_Z_FRAC) or np.any(a.sh > qmath.MAX_SHIFT) or \
+            np.any(np.abs(a.g) >= 2**31) or np.any(np.abs(a.b) > 2**61):
+        return "qlayernorm g, b or sh outside the bounds that keep its i64 arithmetic exact"
+    if width > qmath.LN_MAX_N or not isinstance(a.get("e"), int) or a.e < 0:
+        return f"qlayernorm needs rows of at most {qmath.LN_MAX_N} and an integer e >= 0"
+    rng, zp = a.get("range"), a.get("zp")
+    lo, hi = n.dtype.range
+    if not (isinstance(rng, tuple) and len(rng) == 2 and isinstance(zp, int)
+            and lo <= rng[0] <= rng[1] <= hi and lo <= zp <= hi):
+        return "qlayernorm zp and range must lie in the result dtype's range"
+    return None
+
+
 def _layout(n: Node) -> str | None:
     """Convolutions and pools are NCHW or NHWC (channels-last); channel counts must agree."""
     layout = n.attrs.get("layout", "nchw")
@@ -167,6 +190,7 @@ RULES: dict[Op, tuple[Rule, ...]] = {
     Op.REQUANT: (lambda n: _arity(n, 1, 8), _requant),
     Op.LUT: (lambda n: _arity(n, 1), _lut),
     Op.QSOFTMAX: (lambda n: _arity(n, 1), lambda n: _int_src(n, 0), _qsoftmax),
+    Op.QLAYERNORM: (lambda n: _arity(n, 1), lambda n: _int_src(n, 0), _qlayernorm),
     **{op: (_same_dtype,) for op in DATA_MOVEMENT},
     Op.PERMUTE: (lambda n: _arity(n, 1), _same_dtype, _permute),
     Op.MAXPOOL2D: (lambda n: _arity(n, 1), _same_dtype, _layout),

@@ -15,8 +15,9 @@ from qcompile.passes.base import Context, RewritePass
 
 BOUNDARY = frozenset({Op.INPUT, Op.CONST, Op.QUANT, Op.DEQUANT})
 _REASONS = {
-    Op.SOFTMAX: "softmax has no int8 lowering yet: runs in float between dequantize and quantize",
-    Op.LAYER_NORM: "layer_norm has no int8 lowering yet: runs in float",
+    Op.SOFTMAX: "softmax runs in float: int8-softmax needs a per-tensor int8 input and output",
+    Op.LAYER_NORM: "layer_norm runs in float: int8-layer-norm needs a per-tensor int8 input and "
+                   "output, constant affine parameters and rows of at most 2896",
     Op.EMBEDDING: "embedding lookup reads a float table",
     Op.FLOAT_OP: "no QIR op for this aten op: run as is",
 }

@@ -134,6 +134,13 @@ def _qsoftmax(n: Node, v: list[np.ndarray]) -> np.ndarray:
     return q.astype(n.dtype.np)
 
 
+@impl(Op.QLAYERNORM)
+def _qlayernorm(n: Node, v: list[np.ndarray]) -> np.ndarray:
+    a = n.attrs
+    q = qmath.layernorm_codes(v[0], a.x_zp, a.e, a.g, a.b, a.sh, a.zp, a.range)
+    return q.astype(n.dtype.np)
+
+
 @impl(Op.QUANT)
 def _quant(n: Node, v: list[np.ndarray]) -> np.ndarray:
     return qmath.quantize_array(v[0], n.attrs.qp)

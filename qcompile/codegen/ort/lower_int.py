@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from qcompile.codegen.ort.export import (
     Exporter,
@@ -92,11 +93,7 @@ def _requant(ex: Exporter, n: Node, v: list[str]) -> str:
         prod = ex.op("Mul", [_centred(ex, x, term.zero_point, DType.I64),
                              ex.const(qmath.per_channel(term.multiplier, rq.axis, ndim))])
         total = prod if total is None else ex.op("Add", [total, prod])
-    shift = qmath.per_channel(rq.shift, rq.axis, ndim)
-    biased = ex.op("Add", [total, ex.const(np.left_shift(np.int64(1), shift - 1))])
-    divisor = ex.const(np.left_shift(np.int64(1), shift))
-    floored = ex.op("Sub", [biased, ex.op("Mod", [biased, divisor], fmod=0)])
-    shifted = ex.op("Div", [floored, divisor])
+    shifted = _round_shift(ex, total, qmath.per_channel(rq.shift, rq.axis, ndim))
     out = ex.op("Add", [shifted, ex.const(rq.zp_out, np.int64)])
     out = ex.op("Clip", [out, ex.const(rq.qmin, np.int64), ex.const(rq.qmax, np.int64)])
     return ex.cast(out, rq.out_dtype)
@@ -127,6 +124,52 @@ def _qsoftmax(ex: Exporter, n: Node, v: list[str]) -> str:
     q = ex.op("Add", [q, ex.const(a.zp, np.int64)])
     q = ex.op("Clip", [q, ex.const(a.range[0], np.int64), ex.const(a.range[1], np.int64)])
     return ex.cast(q, n.dtype)
+
+
+@lowers(Op.QLAYERNORM)
+def _qlayernorm(ex: Exporter, n: Node, v: list[str]) -> str:
+    """:func:`qmath.layernorm_codes` in i64 ONNX ops. ONNX has no arithmetic right shift on
+    signed integers: ``round_half_up(v, s)`` is ``floor((v + 2^(s-1)) / 2^s)``, a floored Mod
+    subtracted before the (then exact) Div; the square root is float64 Sqrt plus the exact
+    integer fix-up of :func:`qmath.isqrt_rows`; the divide of two positives truncates, i.e.
+    floors."""
+    a = n.attrs
+    i64 = DType.I64
+    c = _centred(ex, v[0], a.x_zp, i64)
+    axes = ex.const([-1], np.int64)
+    s1 = ex.op("ReduceSum", [c, axes], keepdims=1)
+    s2 = ex.op("ReduceSum", [ex.op("Mul", [c, c]), axes], keepdims=1)
+    width = ex.const(n.shape[-1], np.int64)
+    var = ex.op("Sub", [ex.op("Mul", [s2, width]), ex.op("Mul", [s1, s1])])
+    arg = ex.op("Mul", [ex.op("Add", [var, ex.const(a.e, np.int64)]),
+                        ex.const(1 << qmath.LN_ROOT_SHIFT, np.int64)])
+    root = ex.op("Max", [_isqrt(ex, arg), ex.const(1, np.int64)])
+    half = ex.op("Div", [root, ex.const(2, np.int64)])
+    recip = ex.op("Div", [ex.op("Add", [ex.const(1 << qmath.LN_R_BITS, np.int64), half]), root])
+    d = ex.op("Sub", [ex.op("Mul", [c, width]), s1])
+    z = _round_shift(ex, ex.op("Mul", [d, recip]), np.int64(qmath.LN_Z_SHIFT))
+    y = ex.op("Add", [ex.op("Mul", [z, ex.const(np.asarray(a.g, np.int64))]),
+                      ex.const(np.asarray(a.b, np.int64))])
+    q = ex.op("Add", [_round_shift(ex, y, np.asarray(a.sh, np.int64)), ex.const(a.zp, np.int64)])
+    q = ex.op("Clip", [q, ex.const(a.range[0], np.int64), ex.const(a.range[1], np.int64)])
+    return ex.cast(q, n.dtype)
+
+
+def _isqrt(ex: Exporter, v: str) -> str:
+    """``floor(sqrt(v))`` for i64 ``0 <= v < 2^53``: float64 Sqrt is within one of it."""
+    r = ex.cast(ex.op("Floor", [ex.op("Sqrt", [ex.op("Cast", [v], to=TensorProto.DOUBLE)])]),
+                DType.I64)
+    one = ex.const(1, np.int64)
+    r = ex.op("Sub", [r, ex.cast(ex.op("Greater", [ex.op("Mul", [r, r]), v]), DType.I64)])
+    up = ex.op("Add", [r, one])
+    return ex.op("Add", [r, ex.cast(ex.op("LessOrEqual", [ex.op("Mul", [up, up]), v]), DType.I64)])
+
+
+def _round_shift(ex: Exporter, v: str, shift: np.ndarray) -> str:
+    """``(v + 2^(s-1)) >> s`` (arithmetic) as a floored division by ``2^s``."""
+    biased = ex.op("Add", [v, ex.const(np.left_shift(np.int64(1), shift - 1))])
+    divisor = ex.const(np.left_shift(np.int64(1), shift))
+    return ex.op("Div", [ex.op("Sub", [biased, ex.op("Mod", [biased, divisor], fmod=0)]), divisor])
 
 
 @lowers(Op.QUANT)

@@ -221,6 +221,19 @@ def _qsoftmax(lw: Lowerer, n: Node) -> Step | None:
                    "qsoftmax")
 
 
+@lowers(Op.QLAYERNORM)
+def _qlayernorm(lw: Lowerer, n: Node) -> Step:
+    a, width = n.attrs, n.shape[-1]
+    block = max(16, 1 << (width - 1).bit_length())      # rows of at most LN_MAX_N: one tile
+    tables = [lw.tensor(np.asarray(t, np.int64)) for t in (a.g, a.b, a.sh)]
+    args = (lw.ref(n.src[0]), *tables, OUT, width, a.x_zp, a.e, 1 << qmath.LN_R_BITS, a.zp,
+            a.range[0], a.range[1])
+    consts = {"ROOT_SHIFT": qmath.LN_ROOT_SHIFT, "Z_SHIFT": qmath.LN_Z_SHIFT,
+              "MARGIN": qmath.LN_ISQRT_MARGIN, "BLOCK": block}
+    return lw.step(n, (n,), Launch("qlayernorm", (n.numel // width, 1, 1), args, consts,
+                                   tile=f"{block}"), "qlayernorm")
+
+
 @lowers(Op.MAXPOOL2D)
 def _maxpool(lw: Lowerer, n: Node) -> Step | None:
     return contract.maxpool(lw, n)

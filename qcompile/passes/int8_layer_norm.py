@@ -1,0 +1,57 @@
+r"""int8-layer-norm
+
+    dequant(x_q)   gamma  beta               x_q
+          \          |    /                   |
+        layer_norm(last axis, eps)   ==>   QLAYERNORM(zp_x, E, G = gamma/s_out, B = beta/s_out)
+                  |                           -> int8
+            quant(qp_out)
+
+A layer norm over int8 codes needs only integers: the row's sum and sum of squares (i64), one
+integer square root and one divide per row, then a fixed-point multiply-add per element
+(``qcompile.ir.qmath``). The residual stream of a post-LN transformer then stays int8 from one
+block's residual add to the next block's projections. It differs from PT2E's float layer norm by
+at most one output step, and only near rounding ties.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qcompile.ir import qmath
+from qcompile.ir.graph import Node, Op, node
+from qcompile.passes.base import Context, RewritePass, dequant_of, quantized_producer
+
+
+class Int8LayerNorm(RewritePass):
+    name = "int8-layer-norm"
+
+    def rule(self, n: Node, ctx: Context) -> Node | None:
+        inner = quantized_producer(n, ctx, frozenset({Op.LAYER_NORM}))
+        if inner is None or len(inner.attrs.normalized_shape) != 1:
+            return None
+        x = inner.src[0]
+        x_qp = dequant_of(x)
+        affine = _affine(inner)
+        if x_qp is None or not x_qp.per_tensor or affine is None:
+            return None
+        params = qmath.layernorm_params(x_qp, n.shape[-1], inner.attrs.eps, *affine, n.attrs.qp)
+        if params is None:
+            return None        # rows too long or parameters too large for exact i64 arithmetic
+        e, g, b, sh = params
+        out = n.attrs.qp
+        return node(Op.QLAYERNORM, n.dtype, n.shape, x.src[0], x_zp=int(x_qp.zero_point[0]),
+                    e=e, g=g, b=b, sh=sh, zp=int(out.zero_point[0]),
+                    range=(int(out.qmin), int(out.qmax)), loc=inner.loc)
+
+
+def _affine(ln: Node) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(gamma, beta)`` of a layer norm whose affine parameters are constants (ones and zeros
+    without them); ``None`` when they are computed."""
+    width = ln.shape[-1]
+    if not ln.attrs.affine:
+        return np.ones(width), np.zeros(width)
+    w, b = ln.src[1], ln.src[2]
+    if w.op is not Op.CONST or b.op is not Op.CONST:
+        return None
+    return (np.broadcast_to(np.asarray(w.attrs.value, np.float64), (width,)),
+            np.broadcast_to(np.asarray(b.attrs.value, np.float64), (width,)))

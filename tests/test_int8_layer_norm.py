@@ -1,0 +1,205 @@
+"""int8 layer norm (QLAYERNORM): integer row statistics, an exact integer square root and a
+fixed-point affine map. It stays within one output step of PT2E's float layer norm, and every
+target (reference, cpu, ort, the Triton kernel under the interpreter) computes the same codes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from qcompile.codegen import cpu
+from qcompile.codegen.ort.target import build as build_ort
+from qcompile.frontend.quantize import QuantizeConfig, quantize
+from qcompile.ir import qmath
+from qcompile.ir.graph import Graph, Op, node
+from qcompile.ir.parser import parse_graph
+from qcompile.ir.printer import print_graph
+from qcompile.ir.types import DType, QParams
+from qcompile.ir.verify import verify
+from qcompile.passes.int8_layer_norm import Int8LayerNorm
+from qcompile.reference import interpreter
+from qcompile.reference.program import lower
+
+OUT = QParams(DType.U8, (0.04,), (120,), 0, 255)
+
+
+def _qp(dtype: DType, scale: float, zp: int) -> QParams:
+    return QParams(dtype, (scale,), (zp,), *dtype.range)
+
+
+def _affine(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    gamma, beta = rng.normal(1.0, 0.3, n), rng.normal(0.0, 0.5, n)
+    gamma[:3] = (-0.5, 0.0, 1e-4)                  # negative, zero and tiny gains
+    return gamma, beta
+
+
+def _codes(rng: np.random.Generator, dtype: DType, zp: int, rows: int, n: int) -> np.ndarray:
+    lo, hi = dtype.range
+    x = rng.integers(lo, hi + 1, size=(rows, n))
+    x[0] = x[0, 0]                                  # a flat row: variance 0
+    x[1] = np.clip(zp + rng.integers(-1, 2, n), lo, hi)    # a narrow row
+    x[2, ::2], x[2, 1::2] = lo, hi                  # the widest row
+    x[3] = lo
+    x[3, 0] = hi                                    # one outlier: |x - mean| / std = sqrt(n - 1)
+    return x.astype(dtype.np)
+
+
+def _pt2e(codes: np.ndarray, x: QParams, gamma: np.ndarray, beta: np.ndarray, eps: float,
+          out: QParams) -> np.ndarray:
+    real = torch.from_numpy(qmath.dequantize_array(codes, x))
+    y = nn.functional.layer_norm(real, (codes.shape[-1],), torch.from_numpy(gamma).float(),
+                                 torch.from_numpy(beta).float(), eps)
+    return qmath.quantize_array(y.numpy(), out).astype(np.int64)
+
+
+CASES = [(DType.U8, 0.05, 128, 768, 1e-12), (DType.I8, 0.1, 0, 384, 1e-5),
+         (DType.U8, 0.3, 10, 64, 1e-5), (DType.U8, 0.001, 128, qmath.LN_MAX_N, 1e-5)]
+
+
+@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "eps"), CASES)
+def test_layernorm_codes__within_one_step_of_pt2e(dtype, scale, zp, n, eps):
+    rng = np.random.default_rng(0)
+    x, (gamma, beta) = _qp(dtype, scale, zp), _affine(rng, n)
+    codes = _codes(rng, dtype, zp, 40, n)
+    e, g, b, sh = qmath.layernorm_params(x, n, eps, gamma, beta, OUT)
+    got = qmath.layernorm_codes(codes, zp, e, g, b, sh, OUT.zp, (0, 255))
+    diff = np.abs(got - _pt2e(codes, x, gamma, beta, eps, OUT))
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.999
+
+
+def test_isqrt_rows__exact_below_2_to_53():
+    rng = np.random.default_rng(1)
+    v = np.concatenate([rng.integers(0, 2**53, 2000), np.arange(0, 300),
+                        [(2**26 + 5) ** 2, (2**26 + 5) ** 2 - 1, 2**53 - 1]]).astype(np.int64)
+    want = np.array([math.isqrt(int(a)) for a in v])
+    np.testing.assert_array_equal(qmath.isqrt_rows(v), want)
+
+
+def test_layernorm_params__refuses_what_would_overflow():
+    x = _qp(DType.U8, 0.05, 128)
+    ones, zeros = np.ones(4000), np.zeros(4000)
+    assert qmath.layernorm_params(x, 4000, 1e-5, ones, zeros, OUT) is None   # rows too long
+    assert qmath.layernorm_params(x, 8, 1e9, ones[:8], zeros[:8], OUT) is None  # eps vs s_x
+    assert qmath.layernorm_params(x, 8, 1e-5, np.full(8, np.inf), zeros[:8], OUT) is None
+
+
+def _ln_graph(qx: str = "qp(u8, s=(0.125,), zp=(100,), range=(0, 255), axis=None)",
+              extra: str = "", ret: str = "%o", w: str = "const() {value=array(f32, [4], "
+              "[1.0, -0.5, 2.0, 0.25])}") -> str:
+    return f"""graph @ln {{
+  %a = input() {{name='a'}} : u8[2,3,4]
+  %da = dequant(%a) {{qp={qx}}} : f32[2,3,4]
+  %w = {w} : f32[4]
+  %b = const() {{value=array(f32, [4], [0.0, 0.5, -1.0, 0.125])}} : f32[4]
+  %y = layer_norm(%da, %w, %b) {{affine=True, eps=1e-05, normalized_shape=(4,)}} : f32[2,3,4]
+  %o = quant(%y) {{qp=qp(u8, s=(0.03,), zp=(128,), range=(0, 255), axis=None)}} : u8[2,3,4]
+{extra}  return {ret}
+}}"""
+
+
+def test_int8_layer_norm_pass__rewrites_verifies_and_keeps_the_codes():
+    before = parse_graph(_ln_graph())
+    g, fired = Int8LayerNorm().run(before)
+    verify(g, stage="int8-layer-norm")
+    text = print_graph(g)
+    assert fired == 1 and "qlayernorm(%a)" in text and "layer_norm(" not in text
+    codes = np.random.default_rng(0).integers(0, 256, (2, 3, 4)).astype(np.uint8)
+    got, want = interpreter.run(g, codes)[0], interpreter.run(before, codes)[0]
+    assert np.abs(got.astype(np.int64) - want).max() <= 1
+
+
+@pytest.mark.parametrize("case", ["two-readers", "per-channel-input", "computed-gain"])
+def test_int8_layer_norm_pass__must_not_fire(case):
+    if case == "two-readers":
+        text = _ln_graph(extra="  %f = relu(%y) : f32[2,3,4]\n", ret="%o, %f")
+    elif case == "per-channel-input":
+        text = _ln_graph(qx="qp(u8, s=(0.1, 0.2, 0.3), zp=(0, 0, 0), range=(0, 255), axis=1)")
+    else:
+        text = _ln_graph(w="relu(%b)")
+        text = text.replace("  %w = relu(%b) : f32[4]\n", "").replace(
+            "  %y =", "  %w = relu(%b) : f32[4]\n  %y =")
+    _, fired = Int8LayerNorm().run(parse_graph(text))
+    assert fired == 0
+
+
+def _qln_graph(dtype: DType, scale: float, zp: int, n: int, rows: int) -> Graph:
+    rng = np.random.default_rng(2)
+    x_qp = _qp(dtype, scale, zp)
+    e, g, b, sh = qmath.layernorm_params(x_qp, n, 1e-5, *_affine(rng, n), OUT)
+    a = node(Op.INPUT, dtype, (rows, n), name="a")
+    y = node(Op.QLAYERNORM, DType.U8, (rows, n), a, x_zp=zp, e=e, g=g, b=b, sh=sh, zp=OUT.zp,
+             range=(3, 250))
+    return Graph("qln", (a,), (y,))
+
+
+TARGET_CASES = [(DType.U8, 0.05, 128, 384, 8), (DType.I8, 0.002, -3, qmath.LN_MAX_N, 6)]
+
+
+@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "rows"), TARGET_CASES)
+def test_qlayernorm__cpu_and_ort_equal_the_reference_bit_for_bit(dtype, scale, zp, n, rows):
+    graph = _qln_graph(dtype, scale, zp, n, rows)
+    verify(graph, stage="test")
+    x = _codes(np.random.default_rng(3), dtype, zp, rows, n)
+    want = interpreter.run(graph, x)[0]
+    got = cpu.compile_graph(graph, rows).module()(x)[0]
+    np.testing.assert_array_equal(got.view(want.dtype), want)
+    ort, _ = build_ort({rows: graph}, threads=1)
+    np.testing.assert_array_equal(ort.run_numpy(x)[0], want)
+
+
+@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "rows"), TARGET_CASES)
+def test_qlayernorm__triton_kernel_equals_the_reference(dtype, scale, zp, n, rows):
+    pytest.importorskip("triton")
+    from qcompile.codegen.triton import loader
+    from qcompile.codegen.triton.lower import lower_graph
+
+    graph = _qln_graph(dtype, scale, zp, n, rows)
+    x = _codes(np.random.default_rng(3), dtype, zp, rows, n)
+    program = lower_graph(graph, loader.kernels(True), torch.device("cpu"))
+    assert [s.launch.kernel for s in program.launches()] == ["qlayernorm"]
+    np.testing.assert_array_equal(program.run_numpy(x)[0], interpreter.run(graph, x)[0])
+
+
+def test_qlayernorm__kernel_compiles_for_sm90():
+    pytest.importorskip("triton")
+    from qcompile.codegen.triton import aot, loader
+    from qcompile.codegen.triton.lower import lower_graph
+
+    program = lower_graph(_qln_graph(DType.U8, 0.05, 128, 384, 8), loader.kernels(False),
+                          torch.device("cpu"))
+    (step,) = program.launches()
+    assert ".entry" in aot.compile_step(step, 90).ptx
+
+
+class PostLN(nn.Module):
+    """Two post-LN residual blocks, as BERT's: x = LN(x + Linear(x))."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.na, self.nb = nn.LayerNorm(d), nn.LayerNorm(d)
+        with torch.no_grad():
+            for norm in (self.na, self.nb):
+                norm.weight.normal_(1.0, 0.3)
+                norm.bias.normal_(0.0, 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.na(x + self.a(x))
+        return self.b(self.nb(x + self.b(x)))
+
+
+def test_post_ln_model__layer_norms_int8_and_close_to_pt2e():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, 32, generator=g) * 2,) for _ in range(4)]
+    q = quantize(PostLN().eval(), batches[0], batches, QuantizeConfig(quantizer="qcompile"))
+    r = lower(q, 4)
+    assert r.stats["int8-layer-norm"] == 2
+    assert Op.LAYER_NORM not in {n.op for n in r.graph.nodes()}
+    x = batches[1][0]
+    got, want = interpreter.run(r.graph, x.numpy())[0], q(x).numpy()
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
