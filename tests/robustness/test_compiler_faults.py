@@ -129,8 +129,8 @@ def test_float_op__error_policy_is_a_clear_error(tmp_path):
     out = tmp_path / "out" / "m.qca"
     result = cli.invoke(app, ["compile", str(tmp_path / "island.yaml"), "-o", str(out), "-q"])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
-    assert "float op 'layer_norm' survived integer lowering" in result.output
-    assert re.search(r"at: +robustness_models\.py:\d+ layer_norm", result.output)
+    assert "float op 'div' survived integer lowering" in result.output
+    assert re.search(r"at: +robustness_models\.py:\d+ div", result.output)
     assert "float_ops" in result.output and not out.exists()
     tally.case("compiler-fault cases", "float-op-error-policy")
 
@@ -145,7 +145,7 @@ def test_float_op__fallback_policy_runs_and_reports_it(tmp_path):
     cpu = json.loads((tmp_path / "out" / "report.json").read_text())["targets"]["cpu"]
     assert cpu["status"] == "ok", cpu.get("reason")
     floats = cpu["residency"]["float_ops"]
-    assert [f["op"] for f in floats if f["region"] == "inside"] == ["layer_norm"], floats
-    assert "no int8 lowering" in floats[0]["reason"]
+    assert [f["op"] for f in floats if f["region"] == "inside"] == ["div"], floats
+    assert "no rule rewrites it into an int8 chain" in floats[0]["reason"]
     assert cpu["exactness"]["vs_reference"]["mismatched"] == 0
     tally.case("compiler-fault cases", "float-op-fallback-policy")
