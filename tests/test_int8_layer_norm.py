@@ -65,10 +65,24 @@ def test_layernorm_codes__within_one_step_of_pt2e(dtype, scale, zp, n, eps):
     rng = np.random.default_rng(0)
     x, (gamma, beta) = _qp(dtype, scale, zp), _affine(rng, n)
     codes = _codes(rng, dtype, zp, 40, n)
-    e, g, b, sh = qmath.layernorm_params(x, n, eps, gamma, beta, OUT)
-    got = qmath.layernorm_codes(codes, zp, e, g, b, sh, OUT.zp, (0, 255))
-    diff = np.abs(got - _pt2e(codes, x, gamma, beta, eps, OUT))
+    e, g, b, sh = qmath.layernorm_params(x, n, eps, gamma, beta, OUT.s)
+    t = qmath.layernorm_fixed(codes, zp, e, g, b)
+    diff = np.abs(qmath.layernorm_codes(t, sh, OUT.zp, (0, 255)) -
+                  _pt2e(codes, x, gamma, beta, eps, OUT))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.999
+
+
+@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "eps"), CASES)
+def test_layernorm_float__matches_torch_to_float32_precision(dtype, scale, zp, n, eps):
+    rng = np.random.default_rng(0)
+    x, (gamma, beta) = _qp(dtype, scale, zp), _affine(rng, n)
+    codes = _codes(rng, dtype, zp, 40, n)
+    e, g, b, sh = qmath.layernorm_params(x, n, eps, gamma, beta, 1.0)
+    got = qmath.layernorm_float(qmath.layernorm_fixed(codes, zp, e, g, b), sh)
+    real = torch.from_numpy(qmath.dequantize_array(codes, x)).double()
+    want = nn.functional.layer_norm(real, (n,), torch.from_numpy(gamma),
+                                    torch.from_numpy(beta), eps).numpy()
+    assert got.dtype == np.float32 and np.abs(got - want).max() < 2e-5 * np.abs(want).max()
 
 
 def test_isqrt_rows__exact_below_2_to_53():
@@ -82,9 +96,9 @@ def test_isqrt_rows__exact_below_2_to_53():
 def test_layernorm_params__refuses_what_would_overflow():
     x = _qp(DType.U8, 0.05, 128)
     ones, zeros = np.ones(4000), np.zeros(4000)
-    assert qmath.layernorm_params(x, 4000, 1e-5, ones, zeros, OUT) is None   # rows too long
-    assert qmath.layernorm_params(x, 8, 1e9, ones[:8], zeros[:8], OUT) is None  # eps vs s_x
-    assert qmath.layernorm_params(x, 8, 1e-5, np.full(8, np.inf), zeros[:8], OUT) is None
+    assert qmath.layernorm_params(x, 4000, 1e-5, ones, zeros, 0.1) is None   # rows too long
+    assert qmath.layernorm_params(x, 8, 1e9, ones[:8], zeros[:8], 0.1) is None  # eps vs s_x
+    assert qmath.layernorm_params(x, 8, 1e-5, np.full(8, np.inf), zeros[:8], 0.1) is None
 
 
 def _ln_graph(qx: str = "qp(u8, s=(0.125,), zp=(100,), range=(0, 255), axis=None)",
@@ -112,11 +126,23 @@ def test_int8_layer_norm_pass__rewrites_verifies_and_keeps_the_codes():
     assert np.abs(got.astype(np.int64) - want).max() <= 1
 
 
-@pytest.mark.parametrize("case", ["two-readers", "per-channel-input", "computed-gain"])
+@pytest.mark.parametrize("ret", ["%y", "%o, %f"])
+def test_int8_layer_norm_pass__float_result_computed_in_integers(ret):
+    extra = "  %f = relu(%y) : f32[2,3,4]\n" if "%f" in ret else ""
+    before = parse_graph(_ln_graph(extra=extra, ret=ret))
+    g, fired = Int8LayerNorm().run(before)
+    verify(g, stage="int8-layer-norm")
+    text = print_graph(g)
+    assert fired == 1 and "layer_norm(" not in text and ": f32[2,3,4]" in text
+    assert "qlayernorm(%a)" in text
+    codes = np.random.default_rng(0).integers(0, 256, (2, 3, 4)).astype(np.uint8)
+    for got, want in zip(interpreter.run(g, codes), interpreter.run(before, codes), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max() + 1)
+
+
+@pytest.mark.parametrize("case", ["per-channel-input", "computed-gain"])
 def test_int8_layer_norm_pass__must_not_fire(case):
-    if case == "two-readers":
-        text = _ln_graph(extra="  %f = relu(%y) : f32[2,3,4]\n", ret="%o, %f")
-    elif case == "per-channel-input":
+    if case == "per-channel-input":
         text = _ln_graph(qx="qp(u8, s=(0.1, 0.2, 0.3), zp=(0, 0, 0), range=(0, 255), axis=1)")
     else:
         text = _ln_graph(w="relu(%b)")
@@ -127,13 +153,17 @@ def test_int8_layer_norm_pass__must_not_fire(case):
 
 
 def _qln_graph(dtype: DType, scale: float, zp: int, n: int, rows: int) -> Graph:
+    """The int8 and the float layer norm of one input, both as outputs."""
     rng = np.random.default_rng(2)
     x_qp = _qp(dtype, scale, zp)
-    e, g, b, sh = qmath.layernorm_params(x_qp, n, 1e-5, *_affine(rng, n), OUT)
+    gamma, beta = _affine(rng, n)
     a = node(Op.INPUT, dtype, (rows, n), name="a")
+    e, g, b, sh = qmath.layernorm_params(x_qp, n, 1e-5, gamma, beta, OUT.s)
     y = node(Op.QLAYERNORM, DType.U8, (rows, n), a, x_zp=zp, e=e, g=g, b=b, sh=sh, zp=OUT.zp,
              range=(3, 250))
-    return Graph("qln", (a,), (y,))
+    e, g, b, sh = qmath.layernorm_params(x_qp, n, 1e-5, gamma, beta, 1.0)
+    f = node(Op.QLAYERNORM, DType.F32, (rows, n), a, x_zp=zp, e=e, g=g, b=b, sh=sh)
+    return Graph("qln", (a,), (y, f))
 
 
 TARGET_CASES = [(DType.U8, 0.05, 128, 384, 8), (DType.I8, 0.002, -3, qmath.LN_MAX_N, 6)]
@@ -144,11 +174,12 @@ def test_qlayernorm__cpu_and_ort_equal_the_reference_bit_for_bit(dtype, scale, z
     graph = _qln_graph(dtype, scale, zp, n, rows)
     verify(graph, stage="test")
     x = _codes(np.random.default_rng(3), dtype, zp, rows, n)
-    want = interpreter.run(graph, x)[0]
-    got = cpu.compile_graph(graph, rows).module()(x)[0]
-    np.testing.assert_array_equal(got.view(want.dtype), want)
+    want = interpreter.run(graph, x)
+    for got, w in zip(cpu.compile_graph(graph, rows).module()(x), want, strict=True):
+        np.testing.assert_array_equal(got.view(w.dtype), w)
     ort, _ = build_ort({rows: graph}, threads=1)
-    np.testing.assert_array_equal(ort.run_numpy(x)[0], want)
+    for got, w in zip(ort.run_numpy(x), want, strict=True):
+        np.testing.assert_array_equal(got, w)
 
 
 @pytest.mark.parametrize(("dtype", "scale", "zp", "n", "rows"), TARGET_CASES)
@@ -160,8 +191,9 @@ def test_qlayernorm__triton_kernel_equals_the_reference(dtype, scale, zp, n, row
     graph = _qln_graph(dtype, scale, zp, n, rows)
     x = _codes(np.random.default_rng(3), dtype, zp, rows, n)
     program = lower_graph(graph, loader.kernels(True), torch.device("cpu"))
-    assert [s.launch.kernel for s in program.launches()] == ["qlayernorm"]
-    np.testing.assert_array_equal(program.run_numpy(x)[0], interpreter.run(graph, x)[0])
+    assert [s.launch.kernel for s in program.launches()] == ["qlayernorm"] * 2
+    for got, w in zip(program.run_numpy(x), interpreter.run(graph, x), strict=True):
+        np.testing.assert_array_equal(got, w)
 
 
 def test_qlayernorm__kernel_compiles_for_sm90():
@@ -171,8 +203,8 @@ def test_qlayernorm__kernel_compiles_for_sm90():
 
     program = lower_graph(_qln_graph(DType.U8, 0.05, 128, 384, 8), loader.kernels(False),
                           torch.device("cpu"))
-    (step,) = program.launches()
-    assert ".entry" in aot.compile_step(step, 90).ptx
+    for step in program.launches():
+        assert ".entry" in aot.compile_step(step, 90).ptx
 
 
 class PostLN(nn.Module):
@@ -189,7 +221,7 @@ class PostLN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.na(x + self.a(x))
-        return self.b(self.nb(x + self.b(x)))
+        return self.nb(x + self.b(x))
 
 
 def test_post_ln_model__layer_norms_int8_and_close_to_pt2e():
@@ -198,7 +230,9 @@ def test_post_ln_model__layer_norms_int8_and_close_to_pt2e():
     batches = [(torch.randn(4, 8, 32, generator=g) * 2,) for _ in range(4)]
     q = quantize(PostLN().eval(), batches[0], batches, QuantizeConfig(quantizer="qcompile"))
     r = lower(q, 4)
-    assert r.stats["int8-layer-norm"] == 2
+    assert r.stats["int8-layer-norm"] == 2                 # int8 out, then the float result
+    lns = [n.dtype for n in r.graph.nodes() if n.op is Op.QLAYERNORM]
+    assert sorted(d.value for d in lns) == ["f32", "u8"]
     assert Op.LAYER_NORM not in {n.op for n in r.graph.nodes()}
     x = batches[1][0]
     got, want = interpreter.run(r.graph, x.numpy())[0], q(x).numpy()

@@ -174,17 +174,19 @@ def softmax_codes(x: np.ndarray, axis: int, table: np.ndarray, multiplier: int, 
 
 
 # -- int8 layer norm -----------------------------------------------------------------------------
-# layer_norm of int8 codes over the last axis (n values), int8 codes out, in integers only:
+# layer_norm of int8 codes over the last axis (n values), in integers only:
 #   c = x - zp_x;  S1 = sum(c);  S2 = sum(c^2)                  (i64)
-#   V = n*S2 - S1^2  (= n^2 var, in codes^2);  E = round(eps * n^2 / s_x^2)
-#   root = isqrt((V + E) << 16)  (1 where that is 0)           (= 2^8 * n * std, floored)
+#   V = n*S2 - S1^2  (= n^2 var, in codes^2);  E = round(2^16 * eps * n^2 / s_x^2)
+#   root = isqrt((V << 16) + E)  (1 where that is 0)           (= 2^8 * n * std, floored)
 #   R = (2^40 + root // 2) // root                              (= 2^32 / (n * std))
 #   z = round_half_up((n*c - S1) * R, 8)                        ((x - mean) / std, 24 fraction bits)
-#   q = zp_out + round_half_up(z * G[c] + B[c], SH[c])          then clamped,
+#   t = z * G[c] + B[c]                                         (the result, SH[c] fraction bits)
 # with G = gamma / s_out and B = beta / s_out as fixed point of SH fraction bits (SH - 24 for G).
+# int8 out: q = zp_out + round_half_up(t, SH[c]), clamped. float out (s_out = 1): float32(t) *
+# 2^-SH[c], two correctly rounded steps, so every target gives the same float.
 # Bounds: |n*c - S1| <= sqrt(n V), so |z| <= sqrt(n) 2^24 < 2^30 for n <= LN_MAX_N; |G| < 2^31 and
-# |B| <= 2^61 keep the i64 sum below 2^62; (V + E) << 16 < 2^53, so a float64 square root is exact
-# to within one before the integer fix-up.
+# |B| <= 2^61 keep the i64 sum below 2^62; (V << 16) + E < 2^53, so a float64 square root is
+# exact to within one before the integer fix-up.
 LN_ROOT_SHIFT = 16
 LN_R_BITS = 40
 LN_Z_SHIFT = 8
@@ -199,19 +201,19 @@ LN_NEWTON_STEPS = 3
 
 
 def layernorm_params(x: QParams, n: int, eps: float, gamma: np.ndarray, beta: np.ndarray,
-                     out: QParams) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
-    """``(E, G, B, SH)`` of the int8 layer norm above, or ``None`` where its integers could
-    overflow (rows longer than ``LN_MAX_N``, an ``eps`` huge against ``s_x``, non-finite affine
-    parameters)."""
+                     out_scale: float) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(E, G, B, SH)`` of the int8 layer norm above (``out_scale`` 1.0 for a float result), or
+    ``None`` where its integers could overflow (rows longer than ``LN_MAX_N``, an ``eps`` huge
+    against ``s_x``, non-finite affine parameters)."""
     gamma = np.asarray(gamma, np.float64).reshape(-1)
     beta = np.asarray(beta, np.float64).reshape(-1)
     if n > LN_MAX_N or not (np.all(np.isfinite(gamma)) and np.all(np.isfinite(beta))):
         return None
-    e = int(round(eps * n * n / float(x.scale[0]) ** 2))
+    e = round(eps * n * n * 2.0**LN_ROOT_SHIFT / float(x.scale[0]) ** 2)
     span = x.dtype.range[1] - x.dtype.range[0]
-    if (n * n * span * span // 4 + e) << LN_ROOT_SHIFT >= LN_MAX_ROOT_ARG:
+    if e >= LN_MAX_ROOT_ARG or (n * n * span * span // 4 << LN_ROOT_SHIFT) + e >= LN_MAX_ROOT_ARG:
         return None
-    g_real, b_real = gamma / out.s, beta / out.s
+    g_real, b_real = gamma / out_scale, beta / out_scale
     # SH: G gets 31 significant bits unless B would then pass 2^61 (or SH pass MAX_SHIFT)
     g_bits = np.array([_shift_for(abs(float(v))) for v in g_real]) + LN_Z_FRAC
     b_room = 61 - np.ceil(np.log2(np.abs(b_real) + 1.0)).astype(np.int64)
@@ -230,15 +232,25 @@ def isqrt_rows(v: np.ndarray) -> np.ndarray:
     return r + ((r + 1) * (r + 1) <= v)
 
 
-def layernorm_codes(x: np.ndarray, zp_x: int, e: int, g: np.ndarray, b: np.ndarray,
-                    sh: np.ndarray, zp: int, qrange: tuple[int, int]) -> np.ndarray:
-    """The int8 layer norm above over the last axis of codes ``x``, as int64 codes."""
+def layernorm_fixed(x: np.ndarray, zp_x: int, e: int, g: np.ndarray, b: np.ndarray
+                    ) -> np.ndarray:
+    """``t`` of the int8 layer norm above over the last axis of codes ``x`` (i64)."""
     c = x.astype(np.int64) - zp_x
     n = c.shape[-1]
     s1 = c.sum(axis=-1, keepdims=True)
     s2 = (c * c).sum(axis=-1, keepdims=True)
-    root = np.maximum(isqrt_rows((n * s2 - s1 * s1 + e) << LN_ROOT_SHIFT), 1)
+    root = np.maximum(isqrt_rows(((n * s2 - s1 * s1) << LN_ROOT_SHIFT) + e), 1)
     r = ((np.int64(1) << LN_R_BITS) + (root >> 1)) // root
     z = ((n * c - s1) * r + (1 << (LN_Z_SHIFT - 1))) >> LN_Z_SHIFT
-    q = zp + ((z * g + b + (np.int64(1) << (sh - 1))) >> sh)
-    return np.clip(q, *qrange)
+    return z * g + b
+
+
+def layernorm_codes(t: np.ndarray, sh: np.ndarray, zp: int, qrange: tuple[int, int]
+                    ) -> np.ndarray:
+    """int8 out: ``zp + round_half_up(t, SH)``, clamped (int64 codes)."""
+    return np.clip(zp + ((t + (np.int64(1) << (sh - 1))) >> sh), *qrange)
+
+
+def layernorm_float(t: np.ndarray, sh: np.ndarray) -> np.ndarray:
+    """float out: ``float32(t) * 2^-SH``."""
+    return t.astype(np.float32) * np.ldexp(np.float32(1.0), -sh).astype(np.float32)

@@ -113,8 +113,8 @@ def _qsoftmax(n: Node) -> str | None:
 
 def _qlayernorm(n: Node) -> str | None:
     x, a = n.src[0], n.attrs
-    if not n.dtype.is_int8 or n.shape != x.shape or not n.shape:
-        return "qlayernorm maps int8 codes to int8 codes of the same shape"
+    if not (n.dtype.is_int8 or n.dtype is DType.F32) or n.shape != x.shape or not n.shape:
+        return "qlayernorm maps int8 codes to int8 codes or f32 values of the same shape"
     width = n.shape[-1]
     tables = [a.get(k) for k in ("g", "b", "sh")]
     if not all(isinstance(t, np.ndarray) and t.dtype == np.int64 and t.shape == (width,)
@@ -125,6 +125,8 @@ def _qlayernorm(n: Node) -> str | None:
         return "qlayernorm g, b or sh outside the bounds that keep its i64 arithmetic exact"
     if width > qmath.LN_MAX_N or not isinstance(a.get("e"), int) or a.e < 0:
         return f"qlayernorm needs rows of at most {qmath.LN_MAX_N} and an integer e >= 0"
+    if n.dtype is DType.F32:
+        return None
     rng, zp = a.get("range"), a.get("zp")
     lo, hi = n.dtype.range
     if not (isinstance(rng, tuple) and len(rng) == 2 and isinstance(zp, int)

@@ -3,14 +3,16 @@ r"""int8-layer-norm
     dequant(x_q)   gamma  beta               x_q
           \          |    /                   |
         layer_norm(last axis, eps)   ==>   QLAYERNORM(zp_x, E, G = gamma/s_out, B = beta/s_out)
-                  |                           -> int8
-            quant(qp_out)
+                  |                           -> int8 (or f32 where nothing quantizes it)
+          quant(qp_out) or a float reader
 
 A layer norm over int8 codes needs only integers: the row's sum and sum of squares (i64), one
 integer square root and one divide per row, then a fixed-point multiply-add per element
 (``qcompile.ir.qmath``). The residual stream of a post-LN transformer then stays int8 from one
 block's residual add to the next block's projections. It differs from PT2E's float layer norm by
-at most one output step, and only near rounding ties.
+at most one output step, and only near rounding ties. A layer norm whose result stays float (a
+model's last) is computed the same way with 24 fraction bits and converted once, so every target
+returns the same float.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from qcompile.ir import qmath
 from qcompile.ir.graph import Node, Op, node
+from qcompile.ir.types import DType
 from qcompile.passes.base import Context, RewritePass, dequant_of, quantized_producer
 
 
@@ -27,21 +30,34 @@ class Int8LayerNorm(RewritePass):
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
         inner = quantized_producer(n, ctx, frozenset({Op.LAYER_NORM}))
-        if inner is None or len(inner.attrs.normalized_shape) != 1:
-            return None
-        x = inner.src[0]
-        x_qp = dequant_of(x)
-        affine = _affine(inner)
-        if x_qp is None or not x_qp.per_tensor or affine is None:
-            return None
-        params = qmath.layernorm_params(x_qp, n.shape[-1], inner.attrs.eps, *affine, n.attrs.qp)
-        if params is None:
-            return None        # rows too long or parameters too large for exact i64 arithmetic
-        e, g, b, sh = params
-        out = n.attrs.qp
-        return node(Op.QLAYERNORM, n.dtype, n.shape, x.src[0], x_zp=int(x_qp.zero_point[0]),
-                    e=e, g=g, b=b, sh=sh, zp=int(out.zero_point[0]),
-                    range=(int(out.qmin), int(out.qmax)), loc=inner.loc)
+        if inner is not None:
+            out = n.attrs.qp
+            return _qlayernorm(inner, n.dtype, out.s, zp=int(out.zero_point[0]),
+                               range=(int(out.qmin), int(out.qmax)))
+        if n.op is Op.LAYER_NORM and not _feeds_one_quant(n, ctx):
+            return _qlayernorm(n, DType.F32, 1.0)
+        return None
+
+
+def _feeds_one_quant(n: Node, ctx: Context) -> bool:
+    """``n``'s only reader quantizes it: the int8 rewrite's case, rooted at that quantize."""
+    users = ctx.users(n)
+    return len(users) == 1 and quantized_producer(users[0], ctx) is n
+
+
+def _qlayernorm(ln: Node, dtype: DType, out_scale: float, **out: object) -> Node | None:
+    x = ln.src[0]
+    x_qp = dequant_of(x)
+    affine = _affine(ln)
+    if len(ln.attrs.normalized_shape) != 1 or x_qp is None or not x_qp.per_tensor or \
+            affine is None:
+        return None
+    params = qmath.layernorm_params(x_qp, ln.shape[-1], ln.attrs.eps, *affine, out_scale)
+    if params is None:
+        return None            # rows too long or parameters too large for exact i64 arithmetic
+    e, g, b, sh = params
+    return node(Op.QLAYERNORM, dtype, ln.shape, x.src[0], x_zp=int(x_qp.zero_point[0]), e=e,
+                g=g, b=b, sh=sh, loc=ln.loc, **out)
 
 
 def _affine(ln: Node) -> tuple[np.ndarray, np.ndarray] | None:

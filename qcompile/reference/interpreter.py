@@ -18,6 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from qcompile.ir import qmath
 from qcompile.ir.graph import Graph, Node, Op
+from qcompile.ir.types import DType
 
 EXACT_LIMIT = 2**53
 Impl = Callable[[Node, list[np.ndarray]], np.ndarray]
@@ -137,8 +138,10 @@ def _qsoftmax(n: Node, v: list[np.ndarray]) -> np.ndarray:
 @impl(Op.QLAYERNORM)
 def _qlayernorm(n: Node, v: list[np.ndarray]) -> np.ndarray:
     a = n.attrs
-    q = qmath.layernorm_codes(v[0], a.x_zp, a.e, a.g, a.b, a.sh, a.zp, a.range)
-    return q.astype(n.dtype.np)
+    t = qmath.layernorm_fixed(v[0], a.x_zp, a.e, a.g, a.b)
+    if n.dtype is DType.F32:
+        return qmath.layernorm_float(t, a.sh)
+    return qmath.layernorm_codes(t, a.sh, a.zp, a.range).astype(n.dtype.np)
 
 
 @impl(Op.QUANT)

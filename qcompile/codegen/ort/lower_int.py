@@ -141,8 +141,8 @@ def _qlayernorm(ex: Exporter, n: Node, v: list[str]) -> str:
     s2 = ex.op("ReduceSum", [ex.op("Mul", [c, c]), axes], keepdims=1)
     width = ex.const(n.shape[-1], np.int64)
     var = ex.op("Sub", [ex.op("Mul", [s2, width]), ex.op("Mul", [s1, s1])])
-    arg = ex.op("Mul", [ex.op("Add", [var, ex.const(a.e, np.int64)]),
-                        ex.const(1 << qmath.LN_ROOT_SHIFT, np.int64)])
+    arg = ex.op("Add", [ex.op("Mul", [var, ex.const(1 << qmath.LN_ROOT_SHIFT, np.int64)]),
+                        ex.const(a.e, np.int64)])
     root = ex.op("Max", [_isqrt(ex, arg), ex.const(1, np.int64)])
     half = ex.op("Div", [root, ex.const(2, np.int64)])
     recip = ex.op("Div", [ex.op("Add", [ex.const(1 << qmath.LN_R_BITS, np.int64), half]), root])
@@ -150,6 +150,9 @@ def _qlayernorm(ex: Exporter, n: Node, v: list[str]) -> str:
     z = _round_shift(ex, ex.op("Mul", [d, recip]), np.int64(qmath.LN_Z_SHIFT))
     y = ex.op("Add", [ex.op("Mul", [z, ex.const(np.asarray(a.g, np.int64))]),
                       ex.const(np.asarray(a.b, np.int64))])
+    if n.dtype is DType.F32:       # float32(t) * 2^-SH: two exact roundings
+        scale = np.ldexp(np.float32(1.0), -np.asarray(a.sh)).astype(np.float32)
+        return ex.op("Mul", [ex.cast(y, DType.F32), ex.const(scale)])
     q = ex.op("Add", [_round_shift(ex, y, np.asarray(a.sh, np.int64)), ex.const(a.zp, np.int64)])
     q = ex.op("Clip", [q, ex.const(a.range[0], np.int64), ex.const(a.range[1], np.int64)])
     return ex.cast(q, n.dtype)

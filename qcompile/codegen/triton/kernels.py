@@ -303,17 +303,19 @@ def qsoftmax(x, table, out, S, M2, ZP, QMIN, QMAX, LO: tl.constexpr, SHIFT: tl.c
 
 
 @triton.jit
-def qlayernorm(x, g, b, sh, out, S, XZP, E, R_ONE, ZP, QMIN, QMAX, ROOT_SHIFT: tl.constexpr,
-               Z_SHIFT: tl.constexpr, MARGIN: tl.constexpr, BLOCK: tl.constexpr):
-    """One row of ``S`` int8 codes per program: :func:`qcompile.ir.qmath.layernorm_codes` in i64
+def qlayernorm(x, g, b, sh, scale, out, S, XZP, E, R_ONE, ZP, QMIN, QMAX,
+               ROOT_SHIFT: tl.constexpr, Z_SHIFT: tl.constexpr, MARGIN: tl.constexpr,
+               FLOAT_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of ``S`` int8 codes per program: :func:`qcompile.ir.qmath.layernorm_fixed` in i64
     (row sums, an exact integer square root from a float32 estimate, one divide, then the
-    fixed-point affine map per element); ``R_ONE`` is 2^40."""
+    fixed-point affine map per element), then int8 codes or (``FLOAT_OUT``) float32 times
+    ``scale`` = 2^-SH; ``R_ONE`` is 2^40."""
     row = tl.program_id(0).to(tl.int64) * S
     col = tl.arange(0, BLOCK)
     ok = col < S
     c = tl.where(ok, tl.load(x + row + col, mask=ok, other=0).to(tl.int64) - XZP, 0)
     s1 = _sum(c, 0)
-    v = (_sum(c * c, 0) * S - s1 * s1 + E) << ROOT_SHIFT
+    v = ((_sum(c * c, 0) * S - s1 * s1) << ROOT_SHIFT) + E
     r = tl.sqrt(v.to(tl.float32)).to(tl.int64) + MARGIN
     r = (r + v // r) >> 1                   # qmath.LN_NEWTON_STEPS Newton steps
     r = (r + v // r) >> 1
@@ -321,12 +323,15 @@ def qlayernorm(x, g, b, sh, out, S, XZP, E, R_ONE, ZP, QMIN, QMAX, ROOT_SHIFT: t
     r = tl.maximum(tl.where(r * r > v, r - 1, r), 1)
     recip = (R_ONE + (r >> 1)) // r
     z = ((c * S - s1) * recip + (1 << (Z_SHIFT - 1))) >> Z_SHIFT
-    gain = tl.load(g + col, mask=ok, other=0)
-    shift = tl.load(sh + col, mask=ok, other=1)
-    half = tl.full((BLOCK,), 1, tl.int64) << (shift - 1)
-    q = ((z * gain + tl.load(b + col, mask=ok, other=0) + half) >> shift) + ZP
-    q = tl.minimum(tl.maximum(q, QMIN), QMAX)
-    tl.store(out + row + col, q.to(out.dtype.element_ty), mask=ok)
+    t = z * tl.load(g + col, mask=ok, other=0) + tl.load(b + col, mask=ok, other=0)
+    if FLOAT_OUT:
+        y = t.to(tl.float32) * tl.load(scale + col, mask=ok, other=0.0)
+        tl.store(out + row + col, y, mask=ok)
+    else:
+        shift = tl.load(sh + col, mask=ok, other=1)
+        half = tl.full((BLOCK,), 1, tl.int64) << (shift - 1)
+        q = tl.minimum(tl.maximum(((t + half) >> shift) + ZP, QMIN), QMAX)
+        tl.store(out + row + col, q.to(out.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ from qcompile.codegen.triton.tiles import flat_block
 from qcompile.errors import CompileError
 from qcompile.ir import qmath
 from qcompile.ir.graph import ANCHOR_OPS, Graph, Node, Op
+from qcompile.ir.types import DType
 from qcompile.reference import interpreter
 
 I32_LIMIT = 2**31
@@ -226,10 +227,13 @@ def _qlayernorm(lw: Lowerer, n: Node) -> Step:
     a, width = n.attrs, n.shape[-1]
     block = max(16, 1 << (width - 1).bit_length())      # rows of at most LN_MAX_N: one tile
     tables = [lw.tensor(np.asarray(t, np.int64)) for t in (a.g, a.b, a.sh)]
-    args = (lw.ref(n.src[0]), *tables, OUT, width, a.x_zp, a.e, 1 << qmath.LN_R_BITS, a.zp,
-            a.range[0], a.range[1])
+    scale = lw.tensor(np.ldexp(np.float32(1.0), -np.asarray(a.sh)).astype(np.float32))
+    floating = n.dtype is DType.F32
+    zp, lo, hi = (0, 0, 0) if floating else (a.zp, *a.range)
+    args = (lw.ref(n.src[0]), *tables, scale, OUT, width, a.x_zp, a.e, 1 << qmath.LN_R_BITS, zp,
+            lo, hi)
     consts = {"ROOT_SHIFT": qmath.LN_ROOT_SHIFT, "Z_SHIFT": qmath.LN_Z_SHIFT,
-              "MARGIN": qmath.LN_ISQRT_MARGIN, "BLOCK": block}
+              "MARGIN": qmath.LN_ISQRT_MARGIN, "FLOAT_OUT": floating, "BLOCK": block}
     return lw.step(n, (n,), Launch("qlayernorm", (n.numel // width, 1, 1), args, consts,
                                    tile=f"{block}"), "qlayernorm")
 
