@@ -192,3 +192,17 @@ def test_minilm_word_similarity_on_cpu__task_metric_holds():
     assert acc["float"]["spearman"] > 0.3 and abs(acc["float"]["spearman"] -
                                                   acc["int8"]["spearman"]) < 0.03
     assert cpu["exactness"]["vs_reference"]["max_abs_diff"] < 0.15  # float islands, as minilm
+
+
+@pytest.mark.slow
+def test_bert_encoder_on_cpu__bit_exact_with_int8_layer_norms():
+    report = run_recipe(load_recipe(RECIPES / "bert_encoder.yaml"), targets=["cpu"])
+    cpu = report["targets"]["cpu"]
+    assert cpu["status"] == "ok", cpu.get("reason")
+    assert cpu["accuracy"]["passed"], cpu["accuracy"]["checks"]
+    # every layer norm runs in integers (the last one converts its result to float once), so the
+    # only float islands left (the attention-mask adds) are elementwise: the output is identical
+    assert cpu["exactness"]["vs_reference"]["mismatched"] == 0
+    assert cpu["passes"]["int8-layer-norm"] == 9
+    inside = [f["op"] for f in cpu["residency"]["float_ops"] if f["region"] == "inside"]
+    assert "layer_norm" not in inside and inside.count("add") == 5   # embeddings + 4 masks

@@ -10,7 +10,7 @@ lookup before the first quantize, pooling after the last dequantize) is reported
 from __future__ import annotations
 
 from qcompile.errors import UnsupportedGraphError
-from qcompile.ir.graph import Graph, Node, Op
+from qcompile.ir.graph import INTEGER_OPS, Graph, Node, Op
 from qcompile.passes.base import Context, RewritePass
 
 BOUNDARY = frozenset({Op.INPUT, Op.CONST, Op.QUANT, Op.DEQUANT})
@@ -46,10 +46,16 @@ def int8_region(g: Graph) -> set[int]:
             after.add(id(n))
     before: set[int] = set()
     for n in reversed(nodes):
-        if n.op is Op.DEQUANT or id(n) in before:
+        if n.op is Op.DEQUANT or id(n) in before or _float_result(n):
             before.add(id(n))
             before.update(id(s) for s in n.src)
     return after & before
+
+
+def _float_result(n: Node) -> bool:
+    """An integer op that ends in a float result (a layer norm read by float code): like a
+    dequantize, the int8 region ends at it, and it is no float op."""
+    return n.op in INTEGER_OPS and n.dtype.is_float
 
 
 class CheckIntegerOnly(RewritePass):
@@ -66,7 +72,8 @@ class CheckIntegerOnly(RewritePass):
         return super().run(g)
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op in BOUNDARY or not n.dtype.is_float or "fallback" in n.attrs:
+        if n.op in BOUNDARY or not n.dtype.is_float or "fallback" in n.attrs or \
+                _float_result(n):
             return None
         inside = id(n) in self._region
         reason = float_reason(n)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qcompile.ir.graph import ANCHOR_OPS, Graph, Node, Op
+from qcompile.ir.graph import ANCHOR_OPS, INTEGER_OPS, Graph, Node, Op
 from qcompile.passes.check_integer_only import float_reason, int8_region
 
 
@@ -45,7 +45,7 @@ def residency(g: Graph) -> dict[str, Any]:
                "region": "inside" if id(n) in region else "outside",
                "reason": n.attrs.get("fallback") or float_reason(n)}
               for n in g.nodes() if n.dtype.is_float and n.op not in (
-                  Op.INPUT, Op.CONST, Op.QUANT, Op.DEQUANT)]
+                  Op.INPUT, Op.CONST, Op.QUANT, Op.DEQUANT, *INTEGER_OPS)]
     return {"int8_bytes_fraction": int8 / (int8 + flt) if int8 + flt else 1.0,
             "int8_bytes": int8, "float_bytes": flt, "i32_fused_bytes": i32,
             "chains": chains, "chain_count": len(chains),
