@@ -1,0 +1,103 @@
+"""A small post-LN transformer encoder (BERT's block: q/k/v projections, scaled scores, additive
+padding mask, softmax, P·V, output projection, residual + layer norm, GELU FFN, residual + layer
+norm) quantized with qcompile's quantizer: every layer norm, softmax, GELU and contraction is
+int8, and the reference, cpu, ort and the Triton kernels (interpreted) give identical outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from qcompile.codegen.ort.target import build as build_ort
+from qcompile.codegen.target import CompileOptions, compile_cpu
+from qcompile.frontend.quantize import QuantizeConfig, quantize
+from qcompile.ir.graph import Op
+from qcompile.passes.residency import residency
+from qcompile.reference import interpreter
+from qcompile.reference.program import lower
+from qcompile.zoo.bert import MASKED, SelfAttention
+
+D, HEADS, FFN, LAYERS, SEQ, BATCH = 64, 4, 128, 2, 16, 3
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention, self.attention_norm = SelfAttention(D, HEADS), nn.LayerNorm(D)
+        self.ffn_in, self.ffn_out, self.ffn_norm = nn.Linear(D, FFN), nn.Linear(FFN, D), \
+            nn.LayerNorm(D)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x = self.attention_norm(x + self.attention(x, bias))
+        return self.ffn_norm(x + self.ffn_out(nn.functional.gelu(self.ffn_in(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bias = (1.0 - mask[:, None, None, :]) * MASKED
+        for layer in self.layers:
+            x = layer(x, bias)
+        return x
+
+
+def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.ones(BATCH, SEQ)
+    mask[1, 11:], mask[2, 4:] = 0, 0                      # two padded sequences
+    return torch.randn(BATCH, SEQ, D, generator=g), mask
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [_batch(g) for _ in range(4)]
+    q = quantize(Encoder().eval(), batches[0], batches, QuantizeConfig(quantizer="qcompile"))
+    return q, batches[1]
+
+
+def test_encoder__whole_block_in_integers_close_to_pt2e(encoder):
+    q, (x, mask) = encoder
+    r = lower(q, BATCH)
+    assert r.stats["int8-layer-norm"] == 2 * LAYERS and r.stats["int8-softmax"] == LAYERS
+    assert r.stats["fuse-contraction-requant"] == 6 * LAYERS    # q, k, v, Q·Kᵀ, P·V, FFN in
+    ops = {n.op for n in r.graph.nodes()}
+    assert not ops & {Op.LAYER_NORM, Op.SOFTMAX, Op.GELU, Op.LINEAR, Op.MATMUL}
+    inside = [f["op"] for f in residency(r.graph)["float_ops"] if f["region"] == "inside"]
+    # left in float: the padding-mask bias (1 - mask) * -10000 and its add to the scores
+    assert sorted(inside) == ["add"] * LAYERS + ["float_op"]
+    got = interpreter.run(r.graph, x.numpy(), mask.numpy())[0]
+    want = q(x, mask).numpy()
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_encoder__cpu_and_ort_equal_the_reference_bit_for_bit(encoder):
+    q, (x, mask) = encoder
+    want = interpreter.run(lower(q, BATCH).graph, x.numpy(), mask.numpy())
+    cpu = compile_cpu(q, CompileOptions(batch_sizes=(BATCH,), analyze=False))
+    for got, w in zip(cpu.runner.modules[BATCH].module()(x.numpy(), mask.numpy()), want,
+                      strict=True):
+        np.testing.assert_array_equal(got.view(w.dtype), w)
+    ort, _ = build_ort({BATCH: lower(q, BATCH).graph}, threads=1)
+    for got, w in zip(ort.run_numpy(x.numpy(), mask.numpy()), want, strict=True):
+        np.testing.assert_array_equal(got, w)
+
+
+def test_encoder__triton_kernels_equal_the_reference_bit_for_bit(encoder):
+    pytest.importorskip("triton")
+    from qcompile.codegen.triton.target import CudaOptions, compile_cuda
+
+    q, (x, mask) = encoder
+    model = compile_cuda(q, CompileOptions(batch_sizes=(BATCH,), analyze=False),
+                         CudaOptions(interpret=True))
+    host = [h["op"] for h in model.report["kernels"]["host_ops"]]
+    assert "qlayernorm" not in host and "qsoftmax" not in host
+    got = model.runner.programs[BATCH].run_numpy(x.numpy(), mask.numpy())
+    want = interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy())
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
