@@ -66,7 +66,8 @@ class _Importer:
             elif n.op == "get_attr":
                 self.values[n] = self._const(_fetch(self.gm, n.target), loc=n.target)
             elif n.op == "call_function" and n in self.concrete:
-                self.values[n] = self.concrete[n]   # ints and asserts: folded at import
+                # ints, asserts and constant index tensors: folded at import
+                self.values[n] = self._const(self.concrete[n], loc=location(n))
             elif n.op == "call_function":
                 self.values[n] = self._call(n)
             elif n.op == "output":
@@ -423,16 +424,28 @@ def import_graph(gm: torch.fx.GraphModule, example_inputs: tuple[torch.Tensor, .
     return _Importer(gm, name, concrete).run()
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
+
+
 def _concrete_values(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]
                      ) -> dict[torch.fx.Node, Any]:
     """Non-tensor results (``sym_size`` and the integer arithmetic of a dynamic-batch export),
-    which a static-shaped QIR folds to constants."""
+    which a static-shaped QIR folds to constants; and integer tensors computed from constant
+    tensors and those alone (position ids sliced to the length of a dynamic-length export:
+    ``convert_pt2e`` folds them itself when the length is static)."""
     found: dict[torch.fx.Node, Any] = {}
+
+    def from_constants(n: torch.fx.Node, out: Any) -> bool:
+        ins = n.all_input_nodes
+        return isinstance(out, torch.Tensor) and out.dtype in _INDEX_DTYPES and any(
+            a.op == "get_attr" for a in ins) and all(a.op == "get_attr" or a in found
+                                                     for a in ins)
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             out = super().run_node(n)
-            if n.op == "call_function" and not isinstance(out, torch.Tensor):
+            if n.op == "call_function" and (not isinstance(out, torch.Tensor)
+                                            or from_constants(n, out)):
                 found[n] = out
             return out
 
