@@ -268,7 +268,9 @@ def compile_cmd(recipe: RecipeArg,
         options = replace(options, batch_sizes=tuple(batch))
     model = compile_quantized(q, "cpu", replace(options, analyze=False))
     path = model.save(output)
-    typer.echo(f"wrote {path} (batch sizes {sorted(model.runner.modules)})")
+    lengths = model.report.get("seq_lens", {}).get("compiled")
+    typer.echo(f"wrote {path} (batch sizes {sorted(model.runner.modules)}"
+               + (f", sequence lengths {lengths})" if lengths else ")"))
 
 
 @app.command("exec")

@@ -25,6 +25,7 @@ from qcompile.errors import DatasetError, ModelError, QCompileError
 from qcompile.frontend.quantize import QuantizeConfig, QuantizedModel, quantize
 from qcompile.recipe import Recipe
 from qcompile.runtime.compiled import CompiledModel
+from qcompile.runtime.seq_lens import SeqLenRunner
 
 log = logging.getLogger("qcompile")
 
@@ -47,7 +48,7 @@ def build_model(recipe: Recipe) -> ModelUnderTest:
     """The recipe's model: a zoo model, or ``entry: package.module:function``."""
     m = recipe.model
     if m.zoo is not None:
-        z = zoo.build(m.zoo, seq_len=m.seq_len)
+        z = zoo.build(m.zoo, seq_len=m.calibration_seq_len)
         spec = _override_shapes(z.spec, m.input_shapes, recipe.path)
         return ModelUnderTest(z.name, z.module, spec, z.task, z.default_dataset)
     module = _load_entry(m.entry or "", recipe.path)
@@ -228,10 +229,25 @@ def _run_target(recipe: Recipe, q: QuantizedModel, target: str, batches: list[Ba
         result["exactness"] = {"vs_reference": vs_reference(runner, x),
                                "vs_pt2e": compare(runner.modules[small].graph, q.module,
                                                   tuple(t[:small] for t in x))}
+        if isinstance(runner, SeqLenRunner):
+            result["exactness"]["vs_reference"]["per_seq_len"] = seq_len_exactness(runner, x)
         result["latency_ms"] = cpu_latency(compiled, q, x)
     if target == "ort":   # ONNX Runtime against the reference, every compiled batch size
         result["exactness"] = {"vs_reference": vs_reference(compiled.runner, batches[0].inputs)}
     return {**result, "compile_s": compile_s}
+
+
+def seq_len_exactness(runner: SeqLenRunner, x: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """Each compiled length's modules against the reference at batch 1, on the first evaluation
+    sample cut or padded (id 0, mask 0) to that length (the calibration length: see above)."""
+    from qcompile.accuracy.exactness import vs_reference
+
+    def at(length: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.nn.functional.pad(t[:1, :length], (0, max(0, length - t.shape[1])))
+                     for t in x)
+
+    return {str(n): vs_reference(r, at(n)) for n, r in runner.runners.items()
+            if n != runner.main}
 
 
 def _attribution(graph: Any, q: QuantizedModel, x: tuple[torch.Tensor, ...]) -> dict[str, Any]:
@@ -290,7 +306,9 @@ def _report(recipe: Recipe, mut: ModelUnderTest, q: QuantizedModel,
         "model": {"name": mut.name, "task": mut.task,
                   "parameters": sum(p.numel() for p in mut.module.parameters()),
                   "input_shapes": [list(s) for s in mut.spec.shapes],
-                  "dynamic_batch": q.dynamic_batch},
+                  "dynamic_batch": q.dynamic_batch,
+                  **({"seq_lens": list(q.seq_lens)} if q.seq_lens else {}),
+                  **({"seq_lens_why": q.seq_why} if q.seq_why else {})},
         "target": primary,
         "versions": versions(),
         "quantization": {"quantizer": q.config.quantizer, "weights": q.config.weights,

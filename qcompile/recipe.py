@@ -72,6 +72,12 @@ def _method_names() -> tuple[str, ...]:
     return tuple(METHODS)
 
 
+def _max_seq_len() -> int:
+    from qcompile.zoo.minilm import MAX_SEQ_LEN
+
+    return MAX_SEQ_LEN
+
+
 ZooName = Annotated[str, _one_of(_zoo_names)]
 DatasetName = Annotated[str, _one_of(_reader_names)]
 MethodName = Annotated[str, _one_of(_method_names)]
@@ -88,6 +94,11 @@ class ModelSection(_Strict):
     input_shapes: list[list[int]] | None = None
     input_dtypes: list[Literal["float32", "int64"]] | None = None
     seq_len: int | None = Field(default=None, ge=1, le=4096)
+    seq_lens: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None, min_length=1, max_length=16,
+        description="token models: the sequence lengths compiled (shorter inputs are padded to "
+                    "the next one); seq_len, the calibration length, is added (default: the "
+                    "longest)")
     dynamic_batch: bool = False
     max_batch: int = Field(default=64, ge=1, le=4096)
 
@@ -109,6 +120,41 @@ class ModelSection(_Strict):
                              f"seq_len; this model is {zoo or info.data.get('entry')!r}")
         return seq_len
 
+    @field_validator("seq_lens")
+    @classmethod
+    def _token_lengths(cls, lengths: list[int] | None, info: ValidationInfo
+                       ) -> list[int] | None:
+        from qcompile.zoo import TOKEN_MODELS
+
+        zoo = info.data.get("zoo")
+        if lengths is None:
+            return None
+        if zoo not in TOKEN_MODELS:
+            raise ValueError(f"only the zoo token models ({', '.join(TOKEN_MODELS)}) take "
+                             f"seq_lens; this model is {zoo or info.data.get('entry')!r}")
+        if too_long := [n for n in lengths if n > _max_seq_len()]:
+            raise ValueError(f"length {too_long[0]} is longer than {zoo!r} can take: it has "
+                             f"learned positions for {_max_seq_len()} tokens; use lengths "
+                             f"<= {_max_seq_len()}")
+        if twice := sorted({n for n in lengths if lengths.count(n) > 1}):
+            raise ValueError(f"length {twice[0]} appears twice; list each length once")
+        return lengths
+
+    @property
+    def calibration_seq_len(self) -> int | None:
+        """The length a token model is calibrated and evaluated at: ``seq_len``, else the
+        longest of ``seq_lens`` (None: the zoo's default)."""
+        if self.seq_len is not None or not self.seq_lens:
+            return self.seq_len
+        return max(self.seq_lens)
+
+    @property
+    def compiled_seq_lens(self) -> tuple[int, ...]:
+        """``seq_lens`` with the calibration length added, ascending (empty without)."""
+        if not self.seq_lens:
+            return ()
+        return tuple(sorted({*self.seq_lens, self.calibration_seq_len or 0}))
+
     @field_validator("input_shapes")
     @classmethod
     def _positive_dims(cls, shapes: list[list[int]] | None) -> list[list[int]] | None:
@@ -116,6 +162,17 @@ class ModelSection(_Strict):
             if not shape or any(d < 1 or d > 1 << 20 for d in shape):
                 raise ValueError(f"every shape needs dims in 1..{1 << 20}, got {_shown(shape)}")
         return shapes
+
+    @model_validator(mode="after")
+    def _one_calibration_length(self) -> ModelSection:
+        if self.seq_lens and self.input_shapes is not None:
+            raise ValueError("with 'seq_lens', give the calibration length as 'seq_len', not "
+                             "through 'input_shapes' (drop input_shapes)")
+        if self.seq_lens and self.seq_len is not None and self.seq_len > _max_seq_len():
+            raise ValueError(f"seq_len {self.seq_len} is longer than the {_max_seq_len()} "
+                             f"learned positions of {self.zoo!r}; seq_lens takes lengths <= "
+                             f"{_max_seq_len()}")
+        return self
 
     @model_validator(mode="after")
     def _dtypes_fit_shapes(self) -> ModelSection:

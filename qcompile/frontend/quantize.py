@@ -40,18 +40,24 @@ class QuantizeConfig:
     skip: tuple[str, ...] = ()
     max_batch: int = 64
     float_residual_stream: bool = False   # quantizer "qcompile" only
+    # token models: the sequence lengths to compile (the example's length among them); the
+    # export makes dim 1 dynamic up to the longest. Empty: the example's length only.
+    seq_lens: tuple[int, ...] = ()
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> QuantizeConfig:
         q, c = recipe.quantizer, recipe.calibration
         return cls(q.kind, q.weights, q.activations, c.method, dict(c.method_options),
-                   tuple(q.skip), recipe.model.max_batch, q.float_residual_stream)
+                   tuple(q.skip), recipe.model.max_batch, q.float_residual_stream,
+                   recipe.model.compiled_seq_lens)
 
 
 @dataclass
 class QuantizedModel:
     """A PT2E-converted model: ``module`` is the Q/DQ ``GraphModule``; calling it runs PT2E's
-    float simulation of int8 (the "pt2e" target)."""
+    float simulation of int8 (the "pt2e" target). ``seq_lens``: the sequence lengths (dim 1 of
+    every input) the targets compile; empty for models without one, the example's length alone
+    when the export could not make it dynamic (``seq_why`` says why)."""
 
     module: torch.fx.GraphModule
     float_module: nn.Module
@@ -61,6 +67,8 @@ class QuantizedModel:
     calibration_batches: int
     dynamic_batch: bool
     calibration_samples: int = 0
+    seq_lens: tuple[int, ...] = ()
+    seq_why: str | None = None
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         with torch.no_grad():
@@ -104,6 +112,58 @@ def export_model(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
             why=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
             next="make the model exportable (no data-dependent Python control flow); see "
                  "the torch.export documentation on graph breaks") from err
+
+
+def export_token_model(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
+                       max_batch: int, max_seq: int
+                       ) -> tuple[torch.export.ExportedProgram, bool, str | None]:
+    """Export with dynamic batch and sequence dimensions (dim 1 of every input, up to
+    ``max_seq``); when torch.export refuses, as :func:`export_model` does (static length).
+
+    Returns the program, whether its batch dimension is dynamic, and why the sequence dimension
+    is static (``None`` when it is dynamic)."""
+    module = module.eval()
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    seq = torch.export.Dim("seq", min=1, max=max_seq)
+    # sizes 1 get specialised to constants: trace with at least 2 rows and 2 tokens
+    traced = tuple(x.repeat(2 if x.shape[0] == 1 else 1, 2 if x.shape[1] == 1 else 1)
+                   for x in example_inputs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(module, traced,
+                                          dynamic_shapes=tuple({0: batch, 1: seq}
+                                                               for _ in example_inputs))
+        return program, True, None
+    except Exception as err:  # noqa: BLE001 - any export failure means "one length only"
+        why = f"torch.export refused a dynamic sequence length ({type(err).__name__}: " \
+              f"{str(err).splitlines()[0][:200] if str(err) else ''})"
+        log.warning("%s; compiling the calibration length only", why)
+    program, dynamic = export_model(module, example_inputs, max_batch=max_batch)
+    return program, dynamic, why
+
+
+def check_token_inputs(example_inputs: tuple[torch.Tensor, ...], seq_lens: tuple[int, ...]
+                       ) -> None:
+    """Several sequence lengths need a token model: ``(input_ids, attention_mask)``, both
+    integer ``(N, S)`` (a shorter input is padded with id 0 and mask 0, masking the padding),
+    with ``S`` among ``seq_lens``."""
+    shapes = [tuple(x.shape) for x in example_inputs]
+    if len(example_inputs) != 2 or len(set(shapes)) != 1 or len(shapes[0]) != 2 or any(
+            x.dtype.is_floating_point or x.dtype == torch.bool for x in example_inputs):
+        raise ModelError(
+            "seq_lens needs a token model taking (input_ids, attention_mask)",
+            at="quantize config seq_lens",
+            why=f"the model takes {[f'{x.dtype}{list(x.shape)}' for x in example_inputs]}; "
+                "padding to a compiled length is only correct with an attention mask that "
+                "hides the padded tokens",
+            next="drop seq_lens (compile the example's length only)")
+    if shapes[0][1] not in seq_lens:
+        raise ModelError(
+            f"the example inputs have length {shapes[0][1]}, not one of seq_lens "
+            f"{list(seq_lens)}", at="quantize config seq_lens",
+            why="the model is calibrated at the example's length, which must be compiled too",
+            next=f"add {shapes[0][1]} to seq_lens")
 
 
 NO_OP_IN_EVAL = frozenset({"dropout", "alpha_dropout", "feature_dropout", "clone", "contiguous"})
@@ -171,7 +231,14 @@ def quantize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     config = config or QuantizeConfig()
-    exported, dynamic = export_model(model, example_inputs, max_batch=config.max_batch)
+    seq_why = None
+    if config.seq_lens:
+        check_token_inputs(example_inputs, config.seq_lens)
+    if len(config.seq_lens) > 1:
+        exported, dynamic, seq_why = export_token_model(
+            model, example_inputs, max_batch=config.max_batch, max_seq=max(config.seq_lens))
+    else:
+        exported, dynamic = export_model(model, example_inputs, max_batch=config.max_batch)
     prepared = prepare_pt2e(_prepared_graph(exported), make_quantizer(config, model))
     count, samples = _calibrate(prepared, calibration, example_inputs, dynamic, progress)
     converted = convert_pt2e(prepared)
@@ -183,7 +250,10 @@ def quantize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
             why="the quantizer annotated no conv/linear/matmul/add node"
                 + (f" (skip list: {', '.join(config.skip)})" if config.skip else ""),
             next="check quantizer.skip in the recipe, or that the model has conv/linear layers")
-    return QuantizedModel(converted, model, example_inputs, config, ops, count, dynamic, samples)
+    seq_lens = () if not config.seq_lens else (
+        (int(example_inputs[0].shape[1]),) if seq_why else tuple(sorted(set(config.seq_lens))))
+    return QuantizedModel(converted, model, example_inputs, config, ops, count, dynamic, samples,
+                          seq_lens, seq_why)
 
 
 def _calibrate(prepared: torch.fx.GraphModule, batches: Iterable[Any],

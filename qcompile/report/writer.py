@@ -79,11 +79,20 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _seq_lens(model: dict[str, Any]) -> str:
+    """The compiled sequence lengths of a token model (and why only one, when so)."""
+    lengths = model.get("seq_lens")
+    if not lengths:
+        return ""
+    why = f" ({model['seq_lens_why']})" if model.get("seq_lens_why") else ""
+    return f", sequence lengths {lengths}{why}"
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     lines = [f"# qcompile report: {r['recipe']['name']}", "",
              f"- model: `{r['model']['name']}` ({r['model']['task']}, "
              f"{r['model']['parameters']:,} parameters, inputs {r['model']['input_shapes']}, "
-             f"dynamic batch: {r['model']['dynamic_batch']})",
+             f"dynamic batch: {r['model']['dynamic_batch']}{_seq_lens(r['model'])})",
              f"- recipe: `{r['recipe']['path']}`",
              f"- quantizer: {r['quantization']['quantizer']} ({r['quantization']['weights']}, "
              f"{r['quantization']['activations']}), calibration "

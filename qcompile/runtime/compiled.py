@@ -1,7 +1,7 @@
 """``CompiledModel``: a model ready to run on one target, with its inputs checked at every call:
-a dense CPU tensor per input, of the compiled dtype, rank and shape, a batch the model takes, and,
-for float inputs, finite values. Calls from several threads are safe (each target serialises what
-it must)."""
+a dense CPU tensor per input, of the compiled dtype, rank and shape, a batch the model takes (and a
+sequence length, for token models compiled at several), and, for float inputs, finite values.
+Calls from several threads are safe (each target serialises what it must)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,23 @@ from qcompile.errors import InputError
 @dataclass(frozen=True)
 class InputSignature:
     """What one positional input must be. ``batch`` is ``None`` when any batch in
-    ``1..max_batch`` is accepted, else the one compiled batch size."""
+    ``1..max_batch`` is accepted, else the one compiled batch size. ``seq_lens``: the compiled
+    sequence lengths of a token model compiled at several; then dim 1 takes any length up to the
+    longest (``shape[0]``), and shorter inputs are padded to a compiled length."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]            # without the batch dimension
     batch: int | None
     max_batch: int
+    seq_lens: tuple[int, ...] = ()
 
     def describe(self) -> str:
         b = f"1..{self.max_batch}" if self.batch is None else str(self.batch)
+        dims = [f"1..{self.shape[0]}", *map(str, self.shape[1:])] if self.seq_lens else \
+            list(map(str, self.shape))
         return f"{self.name}: {str(self.dtype).removeprefix('torch.')}[{b}, " + \
-            ", ".join(map(str, self.shape)) + "]"
+            ", ".join(dims) + "]"
 
 
 @dataclass
@@ -65,6 +70,13 @@ class CompiledModel:
                 raise InputError(f"input {i} ({sig.name}) does not fit the compiled model",
                                  at=f"CompiledModel({self.target}) input {i}", why=problem,
                                  next=f"pass {sig.describe()}")
+        lengths = [int(x.shape[1]) for x, s in zip(inputs, self.signature, strict=True)
+                   if s.seq_lens]
+        if len(set(lengths)) > 1:
+            raise InputError(f"the inputs have different sequence lengths {lengths}",
+                             at=f"CompiledModel({self.target}) call",
+                             why="input_ids and attention_mask describe the same tokens",
+                             next="pass inputs of one length (dim 1)")
 
 
 def _input_problem(x: Any, sig: InputSignature) -> str | None:
@@ -79,7 +91,10 @@ def _input_problem(x: Any, sig: InputSignature) -> str | None:
         return f"dtype is {x.dtype}, expected {sig.dtype}"
     if x.dim() != len(sig.shape) + 1:
         return f"rank is {x.dim()} (shape {list(x.shape)}), expected {len(sig.shape) + 1}"
-    if tuple(x.shape[1:]) != sig.shape:
+    if sig.seq_lens:
+        if problem := _seq_problem(x, sig):
+            return problem
+    elif tuple(x.shape[1:]) != sig.shape:
         return f"shape is {list(x.shape)}, expected [batch, {', '.join(map(str, sig.shape))}]"
     n = x.shape[0]
     if n == 0:
@@ -90,6 +105,22 @@ def _input_problem(x: Any, sig: InputSignature) -> str | None:
         return f"batch size {n} exceeds the maximum {sig.max_batch}"
     if x.dtype.is_floating_point and not _all_finite(x):
         return _non_finite(x)
+    return None
+
+
+def _seq_problem(x: torch.Tensor, sig: InputSignature) -> str | None:
+    """Dim 1 is a sequence length up to the longest compiled one; the rest as compiled."""
+    if tuple(x.shape[2:]) != sig.shape[1:]:
+        return f"shape is {list(x.shape)}, expected [batch, length, " + \
+            ", ".join(map(str, sig.shape[1:])) + "]"
+    length, longest = int(x.shape[1]), max(sig.seq_lens)
+    if length == 0:
+        return "the sequence is empty (length 0)"
+    if length > longest:
+        return (f"sequence length {length} exceeds the longest compiled length {longest} "
+                f"(compiled lengths: {', '.join(map(str, sig.seq_lens))}); truncate the inputs "
+                f"to {longest} tokens, or compile a longer length (recipe model.seq_lens, "
+                f"quantize config seq_lens)")
     return None
 
 

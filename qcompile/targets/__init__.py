@@ -29,6 +29,8 @@ def register(name: str, probe: Callable[[], str | None] | None = None
 
 
 def signature_of(q: QuantizedModel, names: tuple[str, ...] = ()) -> tuple[InputSignature, ...]:
+    """The inputs ``q`` takes at its example's sequence length (several lengths: see
+    :func:`qcompile.targets.seq_lens.signature`)."""
     return tuple(
         InputSignature(names[i] if i < len(names) else f"input_{i}", x.dtype, tuple(x.shape[1:]),
                        None if q.dynamic_batch else x.shape[0], q.config.max_batch)
@@ -38,8 +40,11 @@ def signature_of(q: QuantizedModel, names: tuple[str, ...] = ()) -> tuple[InputS
 @register("pt2e")
 def _pt2e(q: QuantizedModel, options: Any = None) -> CompiledModel:
     """PT2E's own Q/DQ module: int8 simulated in float. The baseline every target is checked
-    against."""
-    return CompiledModel("pt2e", signature_of(q), q.module)
+    against. A module exported with a dynamic sequence length runs every length natively."""
+    from qcompile.targets.seq_lens import signature
+
+    sig = signature_of(q)
+    return CompiledModel("pt2e", signature(q, sig) if len(q.seq_lens) > 1 else sig, q.module)
 
 
 @register("reference")
@@ -128,4 +133,15 @@ def compile_quantized(q: QuantizedModel, target: str, options: Any = None) -> Co
             f"target {target!r} is not available", at=f"target {target}", why=reason,
             next="use one of the available targets: "
                  f"{', '.join(t for t in sorted(_BUILDERS) if unavailable_reason(t) is None)}")
-    return _BUILDERS[target](q, options)
+    if len(q.seq_lens) > 1 and target != "pt2e":
+        from qcompile.targets.seq_lens import compile_seq_lens
+
+        return compile_seq_lens(q, target, _BUILDERS[target], options)
+    model = _BUILDERS[target](q, options)
+    if q.seq_lens:          # one length (asked for, or the export kept it static): say so
+        from qcompile.targets.seq_lens import seq_report
+
+        model.report["seq_lens"] = seq_report(q, list(q.seq_lens))
+        if isinstance(model.report.get("compile"), dict):
+            model.report["compile"]["seq_lens"] = list(q.seq_lens)
+    return model
