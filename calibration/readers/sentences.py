@@ -87,17 +87,20 @@ class SentencesReader:
         self, spec: InputSpec, *, batch_size: int, num_batches: int | None, split: str
     ) -> Iterator[Batch]:
         """Tokenised batches of ``split``'s sentences in their fixed order."""
-        check_split(self.name, split)
-        check_batching(self.name, batch_size, num_batches)
-        check_token_spec(self.name, spec)
+        check_token_request(self.name, spec, split, batch_size, num_batches)
         texts = load_sentences(split)
         if num_batches is not None:
             texts = texts[: batch_size * num_batches]
         yield from batched(tokenize_texts(self.name, spec, texts), None, batch_size, num_batches)
 
 
-def check_token_spec(reader: str, spec: InputSpec) -> None:
-    """Raise a DatasetError unless ``spec`` is a token model with a tokenizer."""
+def check_token_request(
+    reader: str, spec: InputSpec, split: str, batch_size: int, num_batches: int | None
+) -> None:
+    """Raise a DatasetError unless ``split`` and the batching are valid and ``spec`` is a token
+    model with a tokenizer."""
+    check_split(reader, split)
+    check_batching(reader, batch_size, num_batches)
     if spec.kind != "tokens" or len(spec.shapes) not in (1, 2) or len(spec.shapes[0]) != 2:
         raise kind_mismatch(reader, spec, FITS)
     if spec.tokenizer is None:
@@ -110,7 +113,7 @@ def check_token_spec(reader: str, spec: InputSpec) -> None:
 
 
 def tokenize_texts(reader: str, spec: InputSpec, texts: list[str]) -> tuple[torch.Tensor, ...]:
-    """``texts`` through the spec's tokenizer (checked by :func:`check_token_spec` first), padded
+    """``texts`` through the spec's tokenizer (checked by :func:`check_token_request` first), padded
     and truncated to the spec's ``seq_len``, cast to its dtypes."""
     seq_len = spec.shapes[0][1]
     ids, mask = spec.tokenizer(texts, seq_len)  # type: ignore[misc]

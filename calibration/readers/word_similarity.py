@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from calibration.protocol import Batch, InputSpec
-from calibration.readers._base import SPLITS, batched, check_batching, check_split
-from calibration.readers.sentences import check_token_spec, tokenize_texts
+from calibration.readers._base import SPLITS, batched, check_split
+from calibration.readers.sentences import check_token_request, tokenize_texts
 from qcompile.errors import DatasetError
 
 BENCHMARKS = {"simlex999": "simlex999.txt", "wordsim353": "wordsim353.tsv"}
@@ -102,9 +102,7 @@ class WordSimilarityReader:
         self, spec: InputSpec, *, batch_size: int, num_batches: int | None, split: str
     ) -> Iterator[Batch]:
         """Tokenised batches of ``split``'s words, pairs kept in file order."""
-        check_split(self.name, split)
-        check_batching(self.name, batch_size, num_batches)
-        check_token_spec(self.name, spec)
+        check_token_request(self.name, spec, split, batch_size, num_batches)
         pairs = self.pairs(split)
         if num_batches is not None:
             pairs = pairs[: (batch_size * num_batches + 1) // 2]
