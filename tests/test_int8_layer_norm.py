@@ -241,3 +241,29 @@ def test_post_ln_model__layer_norms_int8_and_close_to_pt2e():
     x = batches[1][0]
     got, want = interpreter.run(r.graph, x.numpy())[0], q(x).numpy()
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
+class WeightOnlyNorm(nn.Module):
+    """A layer norm with a weight and no bias (``LayerNorm(bias=False)``) between linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(16,
+                                                                                       bias=False)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))
+
+
+def test_weight_only_layer_norm__keeps_its_weight():
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 16),) for _ in range(3)]
+    q = quantize(WeightOnlyNorm().eval(), batches[0], batches,
+                 QuantizeConfig(quantizer="qcompile"))
+    r = lower(q, 4)
+    assert r.stats["int8-layer-norm"] == 1
+    x = batches[1][0]
+    got, want = interpreter.run(r.graph, x.numpy())[0], q(x).numpy()
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()

@@ -404,10 +404,15 @@ def _softmax(im: _Importer, name: str, a: dict, dt: DType, shape: tuple, loc: st
 
 @handles("layer_norm")
 def _layer_norm(im: _Importer, name: str, a: dict, dt: DType, shape: tuple, loc: str) -> Node:
-    src = [a["input"]] + [a[k] for k in ("weight", "bias") if a.get(k) is not None]
-    return node(Op.LAYER_NORM, dt, shape, *src, loc=loc,
-                normalized_shape=tuple(a["normalized_shape"]), eps=float(a.get("eps", 1e-5)),
-                affine=len(src) == 3)
+    norm = tuple(int(d) for d in a["normalized_shape"])
+    w, b = a.get("weight"), a.get("bias")
+    affine = w is not None or b is not None
+    src = [a["input"]]
+    if affine:      # a weight without a bias (LayerNorm(bias=False)) or the reverse: fill in
+        src += [im._tensor(np.ones(norm, np.float32)) if w is None else w,
+                im._tensor(np.zeros(norm, np.float32)) if b is None else b]
+    return node(Op.LAYER_NORM, dt, shape, *src, loc=loc, normalized_shape=norm,
+                eps=float(a.get("eps", 1e-5)), affine=affine)
 
 
 @handles("embedding")
