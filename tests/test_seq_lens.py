@@ -256,6 +256,19 @@ def test_ort__pads_like_the_reference(quantized, reference):
         assert g.shape == w.shape and (g - w).abs().max() < 1e-4   # float islands: last bits
 
 
+def test_cuda_interpreted__pads_like_the_reference(quantized, reference):
+    from qcompile.codegen.triton.target import CudaOptions, compile_cuda, unavailable_reason
+    from qcompile.targets.seq_lens import compile_seq_lens
+
+    if why := unavailable_reason(True):
+        pytest.skip(why)
+    model = compile_seq_lens(quantized, "cuda", lambda q, o: compile_cuda(
+        q, o, CudaOptions(interpret=True)), CPU)
+    x = _tokens(5)
+    for g, w in zip(model(*x), reference(*x), strict=True):
+        assert torch.equal(g, w)
+
+
 def test_run_report__every_length_checked_against_the_reference(cpu):
     from qcompile.pipeline import seq_len_exactness
     from qcompile.report.writer import _seq_lens
