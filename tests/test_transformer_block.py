@@ -1,7 +1,8 @@
 """A small post-LN transformer encoder (BERT's block: q/k/v projections, scaled scores, additive
 padding mask, softmax, P·V, output projection, residual + layer norm, GELU FFN, residual + layer
-norm) quantized with qcompile's quantizer: every layer norm, softmax, GELU and contraction is
-int8, and the reference, cpu, ort and the Triton kernels (interpreted) give identical outputs."""
+norm) quantized with qcompile's quantizer: every layer norm, softmax, GELU, contraction and the
+padding-mask add is integer from the input quantize to the output, and the reference, cpu, ort
+and the Triton kernels (interpreted) give identical outputs."""
 
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        bias = (1.0 - mask[:, None, None, :]) * MASKED
+        bias = (1.0 - mask[:, None, None, :].to(x.dtype)) * MASKED
         for layer in self.layers:
             x = layer(x, bias)
         return x
 
 
 def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = torch.ones(BATCH, SEQ)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
     mask[1, 11:], mask[2, 4:] = 0, 0                      # two padded sequences
     return torch.randn(BATCH, SEQ, D, generator=g), mask
 
@@ -65,12 +66,12 @@ def test_encoder__whole_block_in_integers_close_to_pt2e(encoder):
     q, (x, mask) = encoder
     r = lower(q, BATCH)
     assert r.stats["int8-layer-norm"] == 2 * LAYERS and r.stats["int8-softmax"] == LAYERS
+    assert r.stats["int8-mask-add"] == LAYERS
     assert r.stats["fuse-contraction-requant"] == 6 * LAYERS    # q, k, v, Q·Kᵀ, P·V, FFN in
     ops = {n.op for n in r.graph.nodes()}
-    assert not ops & {Op.LAYER_NORM, Op.SOFTMAX, Op.GELU, Op.LINEAR, Op.MATMUL}
-    inside = [f["op"] for f in residency(r.graph)["float_ops"] if f["region"] == "inside"]
-    # left in float: the padding-mask bias (1 - mask) * -10000 and its add to the scores
-    assert sorted(inside) == ["add"] * LAYERS + ["float_op"]
+    assert not ops & {Op.LAYER_NORM, Op.SOFTMAX, Op.GELU, Op.LINEAR, Op.MATMUL, Op.ADD}
+    res = residency(r.graph)
+    assert res["float_ops"] == [] and res["int8_bytes_fraction"] == 1.0
     got = interpreter.run(r.graph, x.numpy(), mask.numpy())[0]
     want = q(x, mask).numpy()
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
@@ -96,7 +97,7 @@ def test_encoder__triton_kernels_equal_the_reference_bit_for_bit(encoder):
     model = compile_cuda(q, CompileOptions(batch_sizes=(BATCH,), analyze=False),
                          CudaOptions(interpret=True))
     host = [h["op"] for h in model.report["kernels"]["host_ops"]]
-    assert "qlayernorm" not in host and "qsoftmax" not in host
+    assert "qlayernorm" not in host and "qsoftmax" not in host and "mask_lut" not in host
     got = model.runner.programs[BATCH].run_numpy(x.numpy(), mask.numpy())
     want = interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy())
     for g, w in zip(got, want, strict=True):

@@ -307,6 +307,24 @@ def _lut(em: Emitter, n: Node, v: list[Value]) -> Value:
     return b.elementwise([x], n.shape, n.dtype, body)
 
 
+@emits(Op.MASK_LUT)
+def _mask_lut(em: Emitter, n: Node, v: list[Value]) -> Value:
+    """``table[clamp(m, -1, 2) + 1][x - lo]``, the mask broadcast onto the codes."""
+    x, m = materialize(v[0]), materialize(v[1])
+    width = n.attrs.table.shape[1]
+    table = b.constant(np.asarray(n.attrs.table).reshape(-1), n.dtype)
+    lo = n.src[0].dtype.range[0]
+
+    def body(a: ir.Value, mask: ir.Value, _o: ir.Value) -> ir.Value:
+        row = b.clamp_int(b.widen(mask, m.dtype, 64), -1, 2, 64)
+        row = arith.trunci(b.int_type(32), arith.addi(row, b.ci(1, 64)))
+        i = arith.addi(arith.muli(row, b.ci(width, 32)),
+                       arith.subi(b.widen(a, x.dtype, 32), b.ci(lo, 32)))
+        return b.extract(table, arith.index_cast(ir.IndexType.get(), i))
+
+    return b.elementwise([x, m], n.shape, n.dtype, body)
+
+
 # -- data movement (any dtype) --------------------------------------------------------------
 
 @emits(Op.RESHAPE)

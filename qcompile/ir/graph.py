@@ -64,10 +64,13 @@ class Op(Enum):
                                     # (i64 exp table), m (output multiplier), zp, range
     QLAYERNORM = "qlayernorm"       # x_q -> i8/u8 layer norm over the last axis on codes (qmath);
                                     # attrs: x_zp, e, g, b, sh (i64 per channel), zp, range
+    MASK_LUT = "mask_lut"           # (x_q, m integer, broadcast) -> i8/u8 = table[clamp(m,-1,2)+1]
+                                    # [x - lo]; attrs: table (i64 [4, 256])
 
 
 INTEGER_OPS = frozenset({Op.QCONV2D, Op.QLINEAR, Op.QMATMUL, Op.QMUL, Op.QSUMPOOL2D, Op.QSUM,
-                         Op.REQUANT, Op.LUT, Op.QSOFTMAX, Op.QLAYERNORM})
+                         Op.REQUANT, Op.LUT, Op.QSOFTMAX, Op.QLAYERNORM,
+                         Op.MASK_LUT})
 ANCHOR_OPS = frozenset({Op.QCONV2D, Op.QLINEAR, Op.QMATMUL, Op.QMUL, Op.QSUMPOOL2D, Op.QSUM})
 DATA_MOVEMENT = frozenset({Op.RESHAPE, Op.PERMUTE, Op.CAT, Op.PAD, Op.MAXPOOL2D})
 UNARY_FLOAT = frozenset({Op.RELU, Op.CLAMP, Op.HARDSWISH, Op.SILU, Op.GELU, Op.SIGMOID, Op.TANH})

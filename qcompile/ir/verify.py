@@ -135,6 +135,21 @@ def _qlayernorm(n: Node) -> str | None:
     return None
 
 
+def _mask_lut(n: Node) -> str | None:
+    x, m = n.src
+    t = n.attrs.get("table")
+    lo, hi = x.dtype.range if x.dtype.is_int8 else (0, -1)
+    if not isinstance(t, np.ndarray) or t.dtype != np.int64 or t.shape != (4, hi - lo + 1):
+        return "mask_lut needs an i64 table [4, one entry per code of its first input]"
+    if not n.dtype.is_int8 or n.shape != x.shape or np.any(t < n.dtype.range[0]) or \
+            np.any(t > n.dtype.range[1]):
+        return "mask_lut maps int8 codes to int8 codes of the same shape"
+    if m.dtype.is_float or m.dtype is DType.BOOL or \
+            np.broadcast_shapes(m.shape, x.shape) != x.shape:
+        return f"mask_lut needs an integer mask that broadcasts to {list(x.shape)}"
+    return None
+
+
 def _layout(n: Node) -> str | None:
     """Convolutions and pools are NCHW or NHWC (channels-last); channel counts must agree."""
     layout = n.attrs.get("layout", "nchw")
@@ -193,6 +208,7 @@ RULES: dict[Op, tuple[Rule, ...]] = {
     Op.LUT: (lambda n: _arity(n, 1), _lut),
     Op.QSOFTMAX: (lambda n: _arity(n, 1), lambda n: _int_src(n, 0), _qsoftmax),
     Op.QLAYERNORM: (lambda n: _arity(n, 1), lambda n: _int_src(n, 0), _qlayernorm),
+    Op.MASK_LUT: (lambda n: _arity(n, 2), lambda n: _int_src(n, 0), _mask_lut),
     **{op: (_same_dtype,) for op in DATA_MOVEMENT},
     Op.PERMUTE: (lambda n: _arity(n, 1), _same_dtype, _permute),
     Op.MAXPOOL2D: (lambda n: _arity(n, 1), _same_dtype, _layout),

@@ -23,6 +23,7 @@ from qcompile.passes.fuse_int8_add_mul import FuseInt8AddMul
 from qcompile.passes.fuse_residual_add import FuseResidualAdd
 from qcompile.passes.int8_data_movement import Int8DataMovement
 from qcompile.passes.int8_layer_norm import Int8LayerNorm
+from qcompile.passes.int8_mask_add import Int8MaskAdd
 from qcompile.passes.int8_softmax import Int8Softmax
 from qcompile.passes.unary_to_lut import UnaryToLut
 
@@ -37,6 +38,7 @@ def default_pipeline(float_ops: str = "fallback") -> tuple[Pass, ...]:
         FuseInt8AddMul(),          # Q(add/mul(DQ a, DQ b)) on int8 operands
         Int8DataMovement(),        # pools, reshapes, permutes, pads, cats stay int8
         UnaryToLut(),              # Q(f(DQ x)) for elementwise f: a 256-entry table
+        Int8MaskAdd(),             # Q(DQ x + g(mask)): two tables picked by the integer mask
         Int8Softmax(),             # Q(softmax(DQ x)): integer exp table, i64 sums
         Int8LayerNorm(),           # Q(layer_norm(DQ x)): i64 row sums, integer square root
         CancelDqQ(),               # DQ -> Q pairs left between int8 producers and consumers

@@ -144,6 +144,13 @@ def _qlayernorm(n: Node, v: list[np.ndarray]) -> np.ndarray:
     return qmath.layernorm_codes(t, a.sh, a.zp, a.range).astype(n.dtype.np)
 
 
+@impl(Op.MASK_LUT)
+def _mask_lut(n: Node, v: list[np.ndarray]) -> np.ndarray:
+    x, m = v
+    row = np.broadcast_to(np.clip(m.astype(np.int64), -1, 2) + 1, x.shape)
+    return n.attrs.table[row, x.astype(np.int64) - n.src[0].dtype.range[0]].astype(n.dtype.np)
+
+
 @impl(Op.QUANT)
 def _quant(n: Node, v: list[np.ndarray]) -> np.ndarray:
     return qmath.quantize_array(v[0], n.attrs.qp)

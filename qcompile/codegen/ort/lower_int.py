@@ -108,6 +108,19 @@ def _lut(ex: Exporter, n: Node, v: list[str]) -> str:
     return ex.op("Gather", [ex.const(np.asarray(n.attrs.table)), index], axis=0)
 
 
+@lowers(Op.MASK_LUT)
+def _mask_lut(ex: Exporter, n: Node, v: list[str]) -> str:
+    """``table[(clamp(m, -1, 2) + 1) * 256 + x - lo]`` on the flattened table (Add broadcasts
+    the mask onto the codes)."""
+    table = np.asarray(n.attrs.table)
+    row = ex.op("Clip", [ex.cast(v[1], DType.I64), ex.const(-1, np.int64), ex.const(2, np.int64)])
+    row = ex.op("Mul", [ex.op("Add", [row, ex.const(1, np.int64)]),
+                        ex.const(table.shape[1], np.int64)])
+    code = _centred(ex, v[0], n.src[0].dtype.range[0], DType.I64)
+    flat = ex.const(table.reshape(-1).astype(n.dtype.np))
+    return ex.op("Gather", [flat, ex.op("Add", [row, code])], axis=0)
+
+
 @lowers(Op.QSOFTMAX)
 def _qsoftmax(ex: Exporter, n: Node, v: list[str]) -> str:
     """:func:`qmath.softmax_codes` in i64 ONNX ops (opset 17: ReduceMax takes its axes as an

@@ -335,6 +335,17 @@ def qlayernorm(x, g, b, sh, scale, out, S, XZP, E, R_ONE, ZP, QMIN, QMAX,
 
 
 @triton.jit
+def mask_lut(x, m, table, out, n, LO: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = table[clamp(m, -1, 2) + 1][x - LO]``; ``m`` is the mask broadcast to ``x``."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = o < n
+    v = tl.load(x + o, mask=ok, other=LO).to(tl.int32) - LO
+    row = tl.minimum(tl.maximum(tl.load(m + o, mask=ok, other=0).to(tl.int64), -1), 2) + 1
+    tl.store(out + o, tl.load(table + (row.to(tl.int32) * WIDTH + v), mask=ok, other=0),
+             mask=ok)
+
+
+@triton.jit
 def lut(x, table, out, n, LO: tl.constexpr, BLOCK: tl.constexpr):
     """``out = table[x - LO]``: a 256-entry table of an elementwise float function."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

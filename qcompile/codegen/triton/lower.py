@@ -207,6 +207,16 @@ def _lut(lw: Lowerer, n: Node) -> Step:
     return lw.step(n, (n,), Launch("lut", grid, args, consts, tile=f"{block}"), "lut")
 
 
+@lowers(Op.MASK_LUT)
+def _mask_lut(lw: Lowerer, n: Node) -> Step:
+    grid, block = _flat_grid(n)
+    table = np.asarray(n.attrs.table)
+    args = (lw.ref(n.src[0]), lw.ref(n.src[1], expand=n.shape),
+            lw.tensor(table.reshape(-1).astype(n.dtype.np)), OUT, n.numel)
+    consts = {"LO": n.src[0].dtype.range[0], "WIDTH": table.shape[1], "BLOCK": block}
+    return lw.step(n, (n,), Launch("mask_lut", grid, args, consts, tile=f"{block}"), "mask_lut")
+
+
 @lowers(Op.QSOFTMAX)
 def _qsoftmax(lw: Lowerer, n: Node) -> Step | None:
     a = n.attrs
