@@ -195,14 +195,14 @@ def test_minilm_word_similarity_on_cpu__task_metric_holds():
 
 
 @pytest.mark.slow
-def test_bert_encoder_on_cpu__bit_exact_with_int8_layer_norms():
+def test_bert_encoder_on_cpu__bit_exact_with_int8_layer_norms_and_masks():
     report = run_recipe(load_recipe(RECIPES / "bert_encoder.yaml"), targets=["cpu"])
     cpu = report["targets"]["cpu"]
     assert cpu["status"] == "ok", cpu.get("reason")
     assert cpu["accuracy"]["passed"], cpu["accuracy"]["checks"]
-    # every layer norm runs in integers (the last one converts its result to float once), so the
-    # only float islands left (the attention-mask adds) are elementwise: the output is identical
+    # every layer norm and attention-mask add runs in integers (the last layer norm converts its
+    # result to float once): the output is identical
     assert cpu["exactness"]["vs_reference"]["mismatched"] == 0
-    assert cpu["passes"]["int8-layer-norm"] == 9
+    assert cpu["passes"]["int8-layer-norm"] == 9 and cpu["passes"]["int8-mask-add"] == 4
     inside = [f["op"] for f in cpu["residency"]["float_ops"] if f["region"] == "inside"]
-    assert "layer_norm" not in inside and inside.count("add") == 5   # embeddings + 4 masks
+    assert inside == ["add"]           # word + position embeddings, before the first quantize

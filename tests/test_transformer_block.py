@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from qcompile.accuracy.exactness import compare
 from qcompile.codegen.ort.target import build as build_ort
 from qcompile.codegen.target import CompileOptions, compile_cpu
 from qcompile.frontend.quantize import QuantizeConfig, quantize
@@ -75,6 +76,10 @@ def test_encoder__whole_block_in_integers_close_to_pt2e(encoder):
     got = interpreter.run(r.graph, x.numpy(), mask.numpy())[0]
     want = q(x, mask).numpy()
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    # every int8 tensor, recomputed from PT2E's codes of its inputs: within one step
+    vs_pt2e = compare(r.graph, q.module, (x, mask))
+    assert vs_pt2e["within_one_step_fraction"] == 1.0, vs_pt2e["worst"]
+    assert vs_pt2e["compared_tensors"] >= 8 * LAYERS
 
 
 def test_encoder__cpu_and_ort_equal_the_reference_bit_for_bit(encoder):

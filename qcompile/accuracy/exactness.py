@@ -81,7 +81,7 @@ def compare(graph: Graph, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, 
         if id(n) in finals:
             f_total, f_close = f_total + diff.size, f_close + int(np.sum(diff <= 1))
     worst.sort()
-    local = _per_layer(graph, codes, nhwc)
+    local = _per_layer(graph, codes, nhwc, trace)
     return {**local,
             "end_to_end_within_one_step_fraction": close / total if total else None,
             "end_to_end_exact_fraction": exact / total if total else None,
@@ -90,10 +90,13 @@ def compare(graph: Graph, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, 
                                  for frac, loc in worst[:5]]}
 
 
-def _per_layer(graph: Graph, codes: dict[str, Any], nhwc: set[int]) -> dict[str, Any]:
+def _per_layer(graph: Graph, codes: dict[str, Any], nhwc: set[int],
+               trace: dict[int, np.ndarray]) -> dict[str, Any]:
     def value(n: Node, memo: dict[int, np.ndarray]) -> np.ndarray:
         if n.op is Op.CONST:
             return n.attrs.value
+        if n.op is Op.INPUT:               # e.g. the integer attention mask of a mask_lut
+            return trace[id(n)]
         if (code := _code_of(n, codes, nhwc)) is not None:
             return code
         if id(n) not in memo:
