@@ -22,6 +22,7 @@ from qcompile.ir.types import DType, QParams
 from qcompile.ir.verify import verify
 from qcompile.passes.int8_layer_norm import Int8LayerNorm
 from qcompile.passes.residency import residency
+from qcompile.passes.why_not_faster import why_not_faster
 from qcompile.reference import interpreter
 from qcompile.reference.program import lower
 
@@ -238,6 +239,7 @@ def test_post_ln_model__layer_norms_int8_and_close_to_pt2e():
     # the float-result layer norm ends the int8 region like a dequantize: no float op is left,
     # so the integer-only gate passes under the error policy too
     assert residency(r.graph)["float_ops"] == [] and lower(q, 4, float_ops="error")
+    assert why_not_faster(r.graph)["float_islands"] == []
     x = batches[1][0]
     got, want = interpreter.run(r.graph, x.numpy())[0], q(x).numpy()
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()

@@ -58,6 +58,12 @@ def _float_result(n: Node) -> bool:
     return n.op in INTEGER_OPS and n.dtype.is_float
 
 
+def float_compute(n: Node) -> bool:
+    """``n`` computes in float: no boundary (input, constant, quantize, dequantize) and no
+    integer op with a float result."""
+    return n.dtype.is_float and n.op not in BOUNDARY and not _float_result(n)
+
+
 class CheckIntegerOnly(RewritePass):
     name = "check-integer-only"
 
@@ -72,8 +78,7 @@ class CheckIntegerOnly(RewritePass):
         return super().run(g)
 
     def rule(self, n: Node, ctx: Context) -> Node | None:
-        if n.op in BOUNDARY or not n.dtype.is_float or "fallback" in n.attrs or \
-                _float_result(n):
+        if not float_compute(n) or "fallback" in n.attrs:
             return None
         inside = id(n) in self._region
         reason = float_reason(n)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qcompile.ir.graph import ANCHOR_OPS, INTEGER_OPS, Graph, Node, Op
-from qcompile.passes.check_integer_only import float_reason, int8_region
+from qcompile.ir.graph import ANCHOR_OPS, Graph, Node, Op
+from qcompile.passes.check_integer_only import float_compute, float_reason, int8_region
 
 
 def _chain(n: Node) -> dict[str, Any] | None:
@@ -44,8 +44,7 @@ def residency(g: Graph) -> dict[str, Any]:
     floats = [{"op": n.op.value, "loc": n.loc, "shape": list(n.shape),
                "region": "inside" if id(n) in region else "outside",
                "reason": n.attrs.get("fallback") or float_reason(n)}
-              for n in g.nodes() if n.dtype.is_float and n.op not in (
-                  Op.INPUT, Op.CONST, Op.QUANT, Op.DEQUANT, *INTEGER_OPS)]
+              for n in g.nodes() if float_compute(n)]
     return {"int8_bytes_fraction": int8 / (int8 + flt) if int8 + flt else 1.0,
             "int8_bytes": int8, "float_bytes": flt, "i32_fused_bytes": i32,
             "chains": chains, "chain_count": len(chains),

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from qcompile.ir.graph import ANCHOR_OPS, Graph, Node, Op
-from qcompile.passes.check_integer_only import float_reason, int8_region
+from qcompile.passes.check_integer_only import float_compute, float_reason, int8_region
 from qcompile.passes.residency import _chain, residency
 
 CONTRACTIONS = {Op.QCONV2D: True, Op.QLINEAR: True, Op.QMATMUL: True,
@@ -40,8 +40,7 @@ def macs(n: Node) -> int:
 
 
 def _islands(g: Graph, region: set[int]) -> list[dict[str, Any]]:
-    members = [n for n in g.nodes() if id(n) in region and n.dtype.is_float
-               and n.op not in (Op.INPUT, Op.CONST, Op.QUANT, Op.DEQUANT)]
+    members = [n for n in g.nodes() if id(n) in region and float_compute(n)]
     ids = {id(n) for n in members}
     parent = {i: i for i in ids}
 
