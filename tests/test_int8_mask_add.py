@@ -24,7 +24,7 @@ def _const(v: float) -> Node:
 
 
 def _graph(scale: float = -10000.0, *, root: DType = DType.I64, square: bool = False,
-           moved: bool = False) -> Graph:
+           moved: bool = False, lut: bool = False) -> Graph:
     """``quant(dequant(s) + (1 - float(m)) * scale)``: BERT's padding mask on (2, 3, 4, 5);
     ``moved``: the mask comes as (2, 5) and is reshaped after its conversion to float."""
     s = node(Op.INPUT, DType.U8, (2, 3, 4, 5), name="s")
@@ -38,7 +38,9 @@ def _graph(scale: float = -10000.0, *, root: DType = DType.I64, square: bool = F
     bias = node(Op.MUL, F32, f.shape, one_minus, _const(scale))
     if square:
         bias = node(Op.MUL, F32, f.shape, bias, bias)
-    total = node(Op.ADD, F32, s.shape, node(Op.DEQUANT, F32, s.shape, s, qp=SCORES), bias)
+    scores = node(Op.LUT, DType.U8, s.shape, s, table=(np.arange(256) * 7 + 3) % 256,
+                  fn="mul") if lut else s
+    total = node(Op.ADD, F32, s.shape, node(Op.DEQUANT, F32, s.shape, scores, qp=SCORES), bias)
     return Graph("mask", (s, m), (node(Op.QUANT, DType.U8, s.shape, total, qp=OUT),))
 
 
@@ -49,9 +51,9 @@ def _inputs(rng: np.random.Generator, dtype: DType = DType.I64, moved: bool = Fa
     return [s, m.reshape((2, 5) if moved else (2, 1, 1, 5))]
 
 
-@pytest.mark.parametrize("moved", [False, True])
-def test_int8_mask_add__a_table_per_mask_value_exact_for_any_integer(moved):
-    before = _graph(moved=moved)
+@pytest.mark.parametrize(("moved", "lut"), [(False, False), (True, False), (False, True)])
+def test_int8_mask_add__a_table_per_mask_value_exact_for_any_integer(moved, lut):
+    before = _graph(moved=moved, lut=lut)
     g, fired = Int8MaskAdd().run(before)
     verify(g, stage="int8-mask-add")
     (out,) = g.outputs
@@ -59,6 +61,7 @@ def test_int8_mask_add__a_table_per_mask_value_exact_for_any_integer(moved):
     x = _inputs(np.random.default_rng(0), moved=moved)
     np.testing.assert_array_equal(interpreter.run(g, *x)[0], interpreter.run(before, *x)[0])
     assert out.src[1].dtype is DType.I64 and out.src[1].shape == (2, 1, 1, 5)
+    assert out.src[0] is g.inputs[0]          # a table lookup before it folds into the tables
     assert np.all(out.attrs.table[0] == 0) and np.all(out.attrs.table[3] == 255)
 
 

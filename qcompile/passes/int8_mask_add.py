@@ -12,8 +12,9 @@ of the scores' code, ``T_m[x] = Q(DQ(x) + g(m))``, computed with the graph's own
 (reshapes and permutes on the way move the integer mask instead). ``g`` is monotone and
 saturates Q at -1 and 2 already (``T_-1`` all ``qmin``, ``T_2`` all ``qmax``, or the reverse), so
 every other integer mask value gives the ``T_-1`` or ``T_2`` codes: the table index
-``clamp(m, -1, 2) + 1`` makes the result exact for any mask, not only 0/1. The scores then stay
-int8 from Q·Kᵀ to P·V.
+``clamp(m, -1, 2) + 1`` makes the result exact for any mask, not only 0/1. A table lookup
+feeding it alone (the scale ``1/sqrt(d)``) folds into the tables. The scores then stay int8 from
+Q·Kᵀ to P·V.
 """
 
 from __future__ import annotations
@@ -44,9 +45,20 @@ class Int8MaskAdd(RewritePass):
                 continue
             tables = _tables(x_qp, n.attrs.qp, bias, found[0])
             if tables is not None:
-                return node(Op.MASK_LUT, n.dtype, n.shape, x.src[0], found[1], table=tables,
+                codes, tables = _through_lut(x.src[0], tables, ctx) if ctx.single_user(x) \
+                    else (x.src[0], tables)
+                return node(Op.MASK_LUT, n.dtype, n.shape, codes, found[1], table=tables,
                             loc=add.loc)
         return None
+
+
+def _through_lut(codes: Node, tables: np.ndarray, ctx: Context) -> tuple[Node, np.ndarray]:
+    """A table lookup read only here (attention's ``scores * 1/sqrt(d)``) folds into the mask
+    tables, ``T'[m][c] = T[m][lut[c]]``: one lookup per score instead of two."""
+    if codes.op is not Op.LUT or not ctx.single_user(codes):
+        return codes, tables
+    lo = codes.dtype.range[0]
+    return codes.src[0], tables[:, np.asarray(codes.attrs.table, np.int64) - lo]
 
 
 def _integer_root(bias: Node) -> tuple[Node, Node] | None:
