@@ -14,7 +14,7 @@ from iree.compiler import ir
 from iree.compiler.dialects import arith, math
 
 from qcompile.codegen import builder as b
-from qcompile.codegen.emit_softmax import _reduce_last
+from qcompile.codegen.emit_softmax import reduce_last_int
 from qcompile.codegen.mlir_emit import Emitter, Value, emits, materialize
 from qcompile.ir import qmath
 from qcompile.ir.graph import Node, Op
@@ -45,8 +45,8 @@ def _qlayernorm(em: Emitter, n: Node, v: list[Value]) -> Value:
     def centred(c: ir.Value) -> ir.Value:
         return arith.subi(b.widen(c, x.dtype, 64), b.ci(a.x_zp, 64))
 
-    s1 = _reduce_last([x], DType.I64, 0, lambda c, acc: arith.addi(acc, centred(c)))
-    s2 = _reduce_last([x], DType.I64, 0,
+    s1 = reduce_last_int([x], DType.I64, 0, lambda c, acc: arith.addi(acc, centred(c)))
+    s2 = reduce_last_int([x], DType.I64, 0,
                       lambda c, acc: arith.addi(acc, arith.muli(centred(c), centred(c))))
 
     def reciprocal(t1: ir.Value, t2: ir.Value, _o: ir.Value) -> ir.Value:

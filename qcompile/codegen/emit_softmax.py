@@ -16,7 +16,7 @@ from qcompile.ir.graph import Node, Op
 from qcompile.ir.types import DType
 
 
-def _reduce_last(ops: list[TV], dtype: DType, init: int, body) -> TV:  # type: ignore[no-untyped-def]
+def reduce_last_int(ops: list[TV], dtype: DType, init: int, body) -> TV:  # type: ignore[no-untyped-def]
     """Reduce the last dim of ``ops[0]``'s shape (keepdim); ``ops[1:]`` are row-shaped."""
     x = ops[0]
     r = len(x.shape)
@@ -46,9 +46,9 @@ def _qsoftmax(em: Emitter, n: Node, v: list[Value]) -> Value:
         dist = arith.subi(row_max, b.widen(code, x.dtype, 32))
         return b.extract(table, arith.index_cast(ir.IndexType.get(), dist))
 
-    mx = _reduce_last([x], DType.I32, lo,
+    mx = reduce_last_int([x], DType.I32, lo,
                       lambda c, acc: arith.maxsi(acc, b.widen(c, x.dtype, 32)))
-    total = _reduce_last([x, mx], DType.I64, 0,
+    total = reduce_last_int([x, mx], DType.I64, 0,
                          lambda c, m, acc: arith.addi(acc, entry(c, m)))
     k = qmath.SOFTMAX_OUT_SHIFT
 
