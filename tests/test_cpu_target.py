@@ -173,3 +173,47 @@ def test_qmatmul__cpu_equals_reference_bit_for_bit(a_dt, b_dt, a_zp, b_zp, trans
     got = module.module()(*inputs)
     for g, w in zip(got, interpreter.run(graph, *inputs), strict=True):
         np.testing.assert_array_equal(g.view(w.dtype), w)
+
+
+def _extreme_depthwise(shift_floor: int, c: int = 40):
+    """qconv2d (depthwise 3×3, weights ±127, inputs 0/255, large biases) → requant with an
+    int8 residual whose multiplier is 2^30."""
+    from qcompile.ir import qmath
+    from qcompile.ir.graph import Graph, Op, node
+    from qcompile.ir.types import DType, QParams
+
+    rng = np.random.default_rng(3)
+    x = node(Op.INPUT, DType.U8, (1, 9, 9, c), name="x")
+    r = node(Op.INPUT, DType.I8, (1, 9, 9, c), name="r")
+    wv = np.where(rng.random((c, 3, 3, 1)) < 0.5, -127, 127).astype(np.int8)
+    bias = rng.integers(-2**20, 2**20, c).astype(np.int32)
+    conv = node(Op.QCONV2D, DType.I32, (1, 9, 9, c), x,
+                node(Op.CONST, DType.I8, wv.shape, value=wv),
+                node(Op.CONST, DType.I32, bias.shape, value=bias), stride=(1, 1),
+                padding=(1, 1), dilation=(1, 1), groups=c, x_zp=128, layout="nhwc")
+    # the residual's real multiplier sets every channel's shift to shift_floor
+    reals = [list(rng.uniform(0.5, 1.0, c) * 2.0 ** (20 - shift_floor)),
+             [2.0 ** (30 - shift_floor)] * c]
+    rq = qmath.make_requant(reals, [0, -5], QParams(DType.I8, (0.05,), (-7,), -128, 127), axis=3,
+                            qmin=-100)
+    y = node(Op.REQUANT, DType.I8, (1, 9, 9, c), conv, r, rq=rq)
+    inputs = [np.where(rng.random((1, 9, 9, c)) < 0.5, 0, 255).astype(np.uint8),
+              rng.integers(-128, 128, (1, 9, 9, c), dtype=np.int8)]
+    return Graph("dw", (x, r), (y,)), y, inputs
+
+
+@pytest.mark.parametrize("shift_floor", [33, 40, 31])
+def test_stock_requant__narrow_form_bit_exact_at_extreme_values(shift_floor):
+    """The stock requantize in i32 lanes (vpmuldq products, high halves shifted on) where every
+    shift is >= 33, the i64 form below that: both equal the reference with accumulators near
+    their bound."""
+    from qcompile.codegen.mlir_emit import Acc, narrow_requant
+
+    g, y, inputs = _extreme_depthwise(shift_floor)
+    assert min(y.attrs.rq.shift) >= 31
+    assert narrow_requant(y, [Acc(None, None, 3), None]) == (shift_floor >= 33)
+    text = emit_module(g).operation.get_asm()
+    got = iree_cpu.Module(iree_cpu.try_compile(text, (*iree_cpu.TARGET_FLAGS,
+                                                      *iree_cpu.FAST_FLAGS)))(
+        inputs[0].view(np.int8), inputs[1])[0]
+    np.testing.assert_array_equal(got, interpreter.run(g, *inputs)[0])

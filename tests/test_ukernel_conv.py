@@ -31,6 +31,11 @@ _spec = importlib.util.spec_from_file_location(
     "ukernel_conv_bench.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+_kspec = importlib.util.spec_from_file_location(
+    "ukernel_kernel_bench", Path(__file__).resolve().parent.parent / "scripts" /
+    "ukernel_kernel_bench.py")
+kbench = importlib.util.module_from_spec(_kspec)
+_kspec.loader.exec_module(kbench)
 
 
 @needs_vnni
@@ -47,6 +52,37 @@ def test_microkernel_conv__bit_exact_with_reference(name):
     got = iree_cpu.Module(bench.compile_mlir(text, iree_cpu.FAST_FLAGS))(
         *[a.view(np.int8) for a in inputs])[0]
     np.testing.assert_array_equal(got.view(np.uint8), interpreter.run(g, *inputs)[0])
+
+
+@needs_vnni
+@pytest.mark.parametrize("wide", [False, True])
+def test_microkernel_epilogues__narrow_and_wide_bit_exact_on_every_output_range(tmp_path, wide):
+    """The kernel called directly (no IREE) on layers cycling through s8 / u8 outputs with and
+    without relu or a narrower clamp, with and without a residual, against numpy; the 32-bit
+    lane epilogue where pack_params allows it, and the i64 one forced."""
+    lib = kbench.build(ukernel.SOURCE, tmp_path)
+    rng = np.random.default_rng(1)
+    names = ["56x56x144-24-1x1+res", "9x11x6-40-3x3s2+res", "8x8x20-37-1x1-shift",
+             "28x28x64-64-3x3+res-shift31", "28x28x32-192-1x1", "14x14x384-64-1x1"]
+    chosen = []
+    for i, name in enumerate(names * 2):
+        layer = kbench.layer(name, kbench.SHAPES[name], kbench.OUTPUTS[i % 5], rng, wide=wide)
+        y, _ = kbench.run(lib, layer, 1)
+        np.testing.assert_array_equal(y.reshape(layer["ref"].shape), layer["ref"], err_msg=name)
+        chosen.append(bool(layer["p"][ukernel.H_NARROW]))
+    # narrow wherever every shift is >= 33 (the -shift layers have shifts 20 and 31)
+    want = [not wide and "shift" not in n for n in names * 2]
+    assert chosen == want
+
+
+def test_narrow_epilogue__only_where_the_32_bit_form_is_exact():
+    ok = dict(bias=np.array([5, -9]), m0=np.array([2**30, 2**31 - 1]), m1=np.zeros(2, int),
+              shift=np.array([33, 62]), acc_bound=1000)
+    assert ukernel.narrow_epilogue(**ok)
+    assert not ukernel.narrow_epilogue(**{**ok, "shift": np.array([32, 40])})
+    assert not ukernel.narrow_epilogue(**{**ok, "bias": np.array([2**31 - 1000, 0])})
+    assert not ukernel.narrow_epilogue(**{**ok, "m1": np.array([2**31, 0])})
+    assert not ukernel.narrow_epilogue(**{**ok, "acc_bound": 2**31})
 
 
 def _compile(kind: str, ukernel_convs: bool | None, config: QuantizeConfig = QCOMPILE):
@@ -154,7 +190,7 @@ def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkey
     model = compile_cpu(q, CompileOptions(batch_sizes=(1,), analyze=False))
     rep = model.report["compile"]["ukernel"]
     assert rep == {"used": False, "why": rep["why"], "chains": {"1": 0},
-                   "lowered": [], "stock": {}}
+                   "lowered": [], "stock": {}, "narrow_epilogue": 0, "input_quantize": 0}
     assert "no AVX-512 VNNI" in rep["why"]
     np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
         model.runner.modules[1].graph, x[:1].numpy())[0])

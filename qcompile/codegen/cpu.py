@@ -90,7 +90,10 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
             first = first or (text, flags)
             got = iree_cpu.try_compile(text, flags)
             if isinstance(got, bytes):
-                info = {"chains": len(calls), "lowered": [c.loc for c in calls], "stock": stock}
+                chains = [c for c in calls if c.quantize is None]
+                info = {"chains": len(chains), "lowered": [c.loc for c in chains],
+                        "stock": stock, "narrow_epilogue": sum(c.narrow for c in chains),
+                        "input_quantize": len(calls) - len(chains)}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
             errors.append(got)
     assert first is not None
@@ -172,8 +175,10 @@ def build(graphs: dict[int, Graph], *, keep_dir: str | Path | None = None,
 
 def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) -> dict[str, Any]:
     """``used``, ``why`` (not), the count of chains (conv or linear → requantize) lowered per
-    batch size, and for the largest batch which took it and why the others kept the stock
-    lowering."""
+    batch size, and for the largest batch which took it, how many of those requantize in 32-bit
+    lanes (``narrow_epilogue``), whether the model input is quantized by the microkernel
+    straight into the first conv's padded input (``input_quantize``) and why the others kept
+    the stock lowering."""
     infos = {b: m.ukernel for b, m in modules.items() if m.ukernel is not None}
     counts = {str(b): i["chains"] for b, i in sorted(infos.items())}
     used = any(counts.values())
@@ -185,5 +190,7 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
     out: dict[str, Any] = {"used": used, "why": why, "chains": counts}
     if infos:
         last = infos[max(infos)]
-        out.update(lowered=last["lowered"], stock=last["stock"])
+        out.update(lowered=last["lowered"], stock=last["stock"],
+                   narrow_epilogue=last.get("narrow_epilogue", 0),
+                   input_quantize=last.get("input_quantize", 0))
     return out

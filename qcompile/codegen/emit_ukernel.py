@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 PREFIX = "qk_conv_"            # conv chains; linear and matmul chains: MATMUL_PREFIX
 MATMUL_PREFIX = "qk_matmul_"
+QUANT_PREFIX = "qk_quant_"     # the model input's quantize into a conv's padded input
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class UkCall:
     residual: bool
     loc: str | None = None           # the contraction's source location
     matmul: bool = False             # a batched matmul of two run-time operands
+    narrow: bool = False             # requantized with 32-bit lanes (pack_params)
+    quantize: ukernel.QuantizeShape | None = None   # an input quantize (qk_quantize_nchw)
 
 
 def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
@@ -133,8 +136,11 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
         cp = ukernel.padded_channels(c)
         pre = prepadded(em, conv, (ph, pw))
+        qin = _input_quantize(em, conv) if pre is None else None
         if pre is not None and cp == c:
             xp = pre
+        elif qin is not None and cp == 4:
+            xp = _emit_input_quantize(em, conv, qin, (ph, pw))
         else:
             with em.loc(conv, ".copy"):
                 xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
@@ -160,7 +166,7 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
     name = f"{prefix}{em.ids[id(conv)]}_{em.ids[id(rq_node)]}"
     out = _call(em, name, operands, s.out_size, rq_node.dtype)
     em.uk_calls.append(UkCall(name, s, params.size, operands[1].shape[0], len(operands) == 4,
-                              conv.loc))
+                              conv.loc, narrow=bool(params[ukernel.H_NARROW])))
     if nxt is None:
         return b.reshape(out, rq_node.shape)
     pt, pl = s.out_pad
@@ -185,6 +191,46 @@ def _padded_reader(em: Emitter, rq_node: Node) -> Node | None:
             rq_node.shape[-1]):
         return None
     return nxt
+
+
+def _input_quantize(em: Emitter, conv: Node) -> Node | None:
+    """The ``quant`` whose NCHW → NHWC permute is ``conv``'s only input path, when the
+    microkernel can quantize it straight into the conv's padded input: f32 NCHW with at most 4
+    channels, per tensor, u8, both nodes read only here."""
+    perm = conv.src[0]
+    if perm.op is not Op.PERMUTE or tuple(perm.attrs.dims) != (0, 2, 3, 1) or \
+            conv.attrs.get("layout") != "nhwc":
+        return None
+    quant = perm.src[0]
+    qp = quant.attrs.get("qp") if quant.op is Op.QUANT else None
+    if qp is None or quant.dtype is not DType.U8 or not qp.per_tensor or \
+            quant.src[0].dtype is not DType.F32 or len(quant.shape) != 4 or \
+            quant.shape[1] > 4 or int(qp.zero_point[0]) != int(conv.attrs.x_zp):
+        return None
+    outputs = {id(o) for o in em.graph.outputs}
+    if any(len(em.users.get(id(x), [])) != 1 or id(x) in outputs for x in (quant, perm)):
+        return None
+    return quant
+
+
+def _emit_input_quantize(em: Emitter, conv: Node, quant: Node, pads: tuple[int, int]) -> TV:
+    """``quant`` (and its permute) as ``qk_quantize_nchw``: the f32 input straight to the u8
+    NHWC input of ``conv``, bordered by ``pads`` and its channels padded to 4 with the zero
+    point (the emitted quant and permute are left unused)."""
+    qp = quant.attrs.qp
+    n, c, h, w = quant.shape
+    q = ukernel.QuantizeShape(n, c, h, w, *pads)
+    zp = int(qp.zero_point[0])
+    params = ukernel.pack_quantize_params(q, float(qp.scale[0]), zp, qp.qmin, qp.qmax, zp)
+    x = em.values[id(quant.src[0])]
+    assert isinstance(x, TV)
+    name = f"{QUANT_PREFIX}{em.ids[id(quant)]}_{em.ids[id(conv.src[0])]}"   # quant, permute
+    with em.loc(quant):
+        out = _call(em, name, [_flat(x), b.constant(params, DType.I64)], q.out_size, DType.U8)
+    em.uk_calls.append(UkCall(name, ukernel.ConvShape(n, h + 2 * pads[0], w + 2 * pads[1], 4, 4,
+                                                      1, 1, 1, 1, 1, 1, h, w),
+                              params.size, 0, False, quant.loc, quantize=q))
+    return b.reshape(out, (n, h + 2 * pads[0], w + 2 * pads[1], 4))
 
 
 def prepadded(em: Emitter, conv: Node, pads: tuple[int, int]) -> TV | None:
@@ -246,12 +292,15 @@ def _emit_matmul(em: Emitter, rq_node: Node, x: TV, y: TV) -> TV:
     terms = b.insert_slice(rowt, terms, [0], [bt * m])
     terms = b.insert_slice(_flat(colt), terms, [bt * m], [bt * s.fp])
     bias = np.full(nn, -rq.terms[0].zero_point, np.int64)
+    # |sum (a - za)(b' - zb')| <= K * 255 * 255: the accumulator with both terms added
     params = ukernel.pack_params(s, bias, np.asarray(rq.terms[0].multiplier, np.int64),
-                                 np.asarray(rq.shift), rq.zp_out, rq.qmin, rq.qmax)
+                                 np.asarray(rq.shift), rq.zp_out, rq.qmin, rq.qmax,
+                                 acc_bound=kp * 255 * 255)
     operands = [_flat(xp), _flat(wp), b.constant(params, DType.I64), terms]
     name = f"{MATMUL_PREFIX}{em.ids[id(mm)]}_{em.ids[id(rq_node)]}"
     y8 = _call(em, name, operands, bt * m * nn, rq_node.dtype)
-    em.uk_calls.append(UkCall(name, s, params.size, bt * s.fp * kp, False, mm.loc, matmul=True))
+    em.uk_calls.append(UkCall(name, s, params.size, bt * s.fp * kp, False, mm.loc, matmul=True,
+                              narrow=bool(params[ukernel.H_NARROW])))
     return b.reshape(y8, rq_node.shape)
 
 
@@ -281,7 +330,7 @@ def _call(em: Emitter, name: str, operands: Sequence[TV], size: int, dtype: DTyp
     return TV(call.results[0], dtype, (size,))
 
 
-_NAMES = rf"(?:{PREFIX}|{MATMUL_PREFIX})\d+_\d+"
+_NAMES = rf"(?:{PREFIX}|{MATMUL_PREFIX}|{QUANT_PREFIX})\d+_\d+"
 _DECL = re.compile(rf"^ *func\.func private @({_NAMES})\(.*$", re.M)
 _CALL = re.compile(rf"\b(?:func\.)?call @({_NAMES})\(")
 
@@ -293,6 +342,9 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str) -> str:
 
     def executable(m: re.Match[str]) -> str:
         c = by_name[m.group(1)]
+        if c.quantize is not None:
+            return ukernel.quantize_executable_mlir(c.name, obj, c.quantize, c.nparams, target,
+                                                    entry=c.name)
         return ukernel.executable_mlir(c.name, obj, c.shape, c.nparams, c.nweights, c.residual,
                                        target, entry=c.name, matmul=c.matmul)
 

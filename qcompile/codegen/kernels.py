@@ -21,7 +21,7 @@ _NAME = re.compile(r'"qir(\d+)(\.copy)?"')
 _REF = re.compile(r"#loc\d*\b")
 _EXEC = re.compile(r"^  flow\.executable private @(\w+) \{$", re.M)
 # the VNNI conv microkernel's executables are named by their chain (emit_ukernel.emit)
-_UKERNEL = re.compile(r"^  hal\.executable private @(qk_(?:conv|matmul)_(\d+)_(\d+)) \{$",
+_UKERNEL = re.compile(r"^  hal\.executable private @(qk_(?:conv|matmul|quant)_(\d+)_(\d+)) \{$",
                       re.M)
 _DISPATCH = re.compile(r"flow\.dispatch @(\w+)::(?:@\w+::)?@(\w+)\(([^)]*)\) : (.*)$", re.M)
 # the ops that compute: a linalg.generic (its location follows its region) or a slice copy;
@@ -127,6 +127,8 @@ CONTRACTIONS = frozenset({Op.QCONV2D.value, Op.QLINEAR.value, Op.QMATMUL.value})
 
 
 def _kind(entry: str) -> str:
+    if entry.startswith("qk_quant_"):         # the microkernel's input quantize
+        return "elementwise"
     if "memcpy" in entry or "slow_memcpy" in entry:
         return "copy"
     for key in ("matmul", "conv", "elementwise", "reduction", "pooling", "generic"):

@@ -201,7 +201,8 @@ def _const(em: Emitter, n: Node, v: list[Value]) -> Value:
 
 @emits(Op.REQUANT)
 def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
-    """``clamp(round_shift(sum (x_i + bias_i - z_i) * M_i[c], s[c]) + zp)`` in i64."""
+    """``clamp(round_shift(sum (x_i + bias_i - z_i) * M_i[c], s[c]) + zp)`` in i64, or with
+    the same result in i32 lanes where :func:`narrow_requant` allows."""
     rq: Requant = n.attrs.rq
     if isinstance(v[0], Pending):
         from qcompile.codegen import emit_ukernel
@@ -211,6 +212,8 @@ def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
     # dispatch and writes that producer's i32 accumulator to memory instead
     tvs = [x.tv if isinstance(x, Acc) else (b.barrier(x) if i and _is_epilogue(n.src[i])
                                                else x) for i, x in enumerate(v)]
+    if narrow_requant(n, v):
+        return _requant_narrow(n, v, tvs)
     biases = [per_channel(x.bias, 64, x.axis) if isinstance(x, Acc) and x.bias is not None
               else None for x in v]
     mults = [per_channel(t.multiplier, 64, rq.axis) for t in rq.terms]
@@ -230,6 +233,76 @@ def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
         assert total is not None
         rounded = arith.shrsi(arith.addi(total, rounding()), shift())
         out = b.clamp_int(arith.addi(rounded, b.ci(rq.zp_out, 64)), rq.qmin, rq.qmax, 64)
+        return arith.trunci(b.int_type(8), out)
+
+    return b.elementwise(tvs, n.shape, n.dtype, body)
+
+
+def anchor_bound(n: Node) -> int | None:
+    """An upper bound of ``|value|`` of an anchor's i32 result (bias included), or ``None``."""
+    if n.op in (Op.QCONV2D, Op.QLINEAR):
+        w, bias = (np.asarray(s.attrs.value) for s in n.src[1:3])
+        return 65536 * int(np.prod(w.shape[1:])) + int(np.max(np.abs(bias), initial=0))
+    if n.op is Op.QMATMUL:
+        return 65536 * int(n.src[0].shape[-1])
+    if n.op is Op.QMUL:
+        return 65536
+    if n.op is Op.QSUMPOOL2D:
+        return 256 * int(np.prod(n.attrs.kernel))
+    if n.op is Op.QSUM:
+        return 256 * max(1, int(np.prod(n.src[0].shape)) // max(1, int(np.prod(n.shape))))
+    return None
+
+
+def narrow_requant(n: Node, v: list[Value]) -> bool:
+    """Whether a requantize may run in i32 lanes: each centred term ``x + bias - z`` fits in
+    i32, every multiplier is below 2^31, the product sum ``T`` stays below 2^62 and every shift
+    is at least 33, so that ``(T + 2^(s-1)) >> s == ((T >> 32) + 2^(s-33)) >> (s - 32)`` (floor
+    shifts compose): the products are i32 x i32 -> i64 (``vpmuldq``), the rest i32."""
+    rq: Requant = n.attrs.rq
+    if min(rq.shift) < 33:
+        return False
+    total = 0
+    for src, x, term in zip(n.src, v, rq.terms, strict=True):
+        if src.op in ANCHOR_OPS:
+            bound = anchor_bound(src)
+        elif not isinstance(x, Acc) and src.dtype in (DType.I8, DType.U8):
+            bound = 255
+        else:
+            bound = None
+        if bound is None:
+            return False
+        bound += abs(term.zero_point)
+        mult = max(np.asarray(term.multiplier, dtype=np.int64).reshape(-1))
+        if bound >= 2**31 or mult >= 2**31 or min(np.asarray(term.multiplier).reshape(-1)) < 0:
+            return False
+        total += bound * int(mult)
+    return total < 2**62
+
+
+def _requant_narrow(n: Node, v: list[Value], tvs: list[TV]) -> TV:
+    rq: Requant = n.attrs.rq
+    biases = [per_channel(x.bias, 32, x.axis) if isinstance(x, Acc) and x.bias is not None
+              else None for x in v]
+    mults = [per_channel(t.multiplier, 32, rq.axis) for t in rq.terms]
+    shift = per_channel(tuple(s - 32 for s in rq.shift), 32, rq.axis)
+    rounding = per_channel(tuple(1 << (s - 33) for s in rq.shift), 32, rq.axis)
+    i64 = b.int_type(64)
+
+    def body(*args: ir.Value) -> ir.Value:
+        total = None
+        for x, t, term, bias, mult in zip(args, tvs, rq.terms, biases, mults, strict=False):
+            x32 = b.widen(x, t.dtype, 32)
+            if bias is not None:
+                x32 = arith.addi(x32, bias())
+            if term.zero_point:
+                x32 = arith.subi(x32, b.ci(term.zero_point, 32))
+            prod = arith.muli(arith.extsi(i64, x32), arith.extsi(i64, mult()))
+            total = prod if total is None else arith.addi(total, prod)
+        assert total is not None
+        high = arith.trunci(b.int_type(32), arith.shrsi(total, b.ci(32, 64)))
+        rounded = arith.shrsi(arith.addi(high, rounding()), shift())
+        out = b.clamp_int(arith.addi(rounded, b.ci(rq.zp_out, 32)), rq.qmin, rq.qmax, 32)
         return arith.trunci(b.int_type(8), out)
 
     return b.elementwise(tvs, n.shape, n.dtype, body)

@@ -30,10 +30,12 @@ from qcompile.errors import CompileError
 SOURCE = Path(__file__).with_name("conv_vnni.c")
 SYMBOL = "qk_conv2d_u8s8"
 MATMUL_SYMBOL = "qk_matmul_u8s8"
+QUANT_SYMBOL = "qk_quantize_nchw"
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
           "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
           "-fno-asynchronous-unwind-tables", "-c")
 HEADER = 32
+H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue runs
 BLOCK = 64          # output channels per workgroup
 
 
@@ -123,6 +125,38 @@ class ConvShape:
         return -(-(self.oh * self.ow) // self.chunk)
 
 
+@dataclass(frozen=True)
+class QuantizeShape:
+    """The model input's quantize as a microkernel conv's padded input (``qk_quantize_nchw``):
+    f32 ``[N, C, H, W]`` (C <= 4) to u8 ``[N, H + 2 PT, W + 2 PL, 4]``."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    pt: int
+    pl: int
+    rows: int = 8                    # input rows per workgroup
+
+    @property
+    def out_size(self) -> int:
+        return self.n * (self.h + 2 * self.pt) * (self.w + 2 * self.pl) * 4
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.h // self.rows)
+
+
+def pack_quantize_params(q: QuantizeShape, scale: float, zp: int, qmin: int, qmax: int,
+                         fill: int) -> np.ndarray:
+    """``qk_quantize_nchw``'s header: the shape, ``1/scale`` as float32 bits (the same
+    reciprocal as ``qmath.quantize_array``), the zero point, clamp and border fill."""
+    inv = np.float32(1.0) / np.float32(scale)
+    bits = int(np.asarray(inv, np.float32).view(np.int32))
+    return np.asarray([q.n, q.c, q.h, q.w, q.pt, q.pl, zp, qmin, qmax, bits, fill, q.rows],
+                      np.int64)
+
+
 def padded_channels(c: int) -> int:
     return -(-c // 4) * 4
 
@@ -143,11 +177,15 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
 
 def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarray,
                 zout: int, qmin: int, qmax: int, *, m1: np.ndarray | None = None,
-                res_zp: int = 0, res_signed: bool = False) -> np.ndarray:
-    """Header + per-channel i64 tables ``bias, m0, m1, add, shift`` (length ``fp`` each).
+                res_zp: int = 0, res_signed: bool = False,
+                acc_bound: int | None = None) -> np.ndarray:
+    """Header + per-channel i64 tables ``bias, m0, m1, add, shift`` (length ``fp`` each), then
+    the tables of the narrow epilogue (see :func:`narrow_epilogue`).
 
     ``bias`` includes every term that is added to the accumulator before ``m0`` (folded zero
-    points, minus the requant's own zero point of the accumulator term)."""
+    points, minus the requant's own zero point of the accumulator term). ``acc_bound`` bounds
+    ``|accumulator|`` before ``bias`` (with a matmul's run-time zero-point terms); default: a
+    u8 × s8 sum over the window."""
     fp = s.fp
 
     def chan(v: np.ndarray | int | None, fill: int = 0) -> np.ndarray:
@@ -158,13 +196,50 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
 
     shift_c = chan(shift, 1)
     m1_c = chan(m1)
+    bias_c, m0_c = chan(bias), chan(m0)
     with np.errstate(over="ignore"):
         add = (np.left_shift(np.int64(1), shift_c - 1) - np.int64(res_zp) * m1_c).astype(np.int64)
+    if acc_bound is None:
+        acc_bound = s.kh * s.kw * s.c * 255 * 128
+    narrow = narrow_epilogue(bias_c[:s.f], m0_c[:s.f], m1_c[:s.f], shift_c[:s.f], acc_bound)
+    # clamps the saturating narrow store does not make: s8 codes saturate to [-128, 127], u8
+    # codes (qmax > 127) to [0, 255] once the negatives are clamped away
+    signed = qmax <= 127
+    clamp_lo = not (signed and qmin == -128)
+    clamp_hi = qmax not in (127, 255)
     h = np.zeros(HEADER, np.int64)
-    h[:24] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+    h[:29] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
               int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride, s.chunk,
-              *s.out_pad, s.out_fill]
-    return np.concatenate([h, chan(bias), chan(m0), m1_c, add, shift_c])
+              *s.out_pad, s.out_fill, int(narrow), res_zp, int(signed), int(clamp_lo),
+              int(clamp_hi)]
+    # the narrow epilogue's tables: bias, m0 and m1 (i32; m0, m1 with 16 more so that a load
+    # at channel c + 1 stays inside), the rounding term 2^(s-33) and s - 32 (i32); zeros where
+    # the wide epilogue runs
+    i32 = lambda v, extra=0: np.concatenate(  # noqa: E731
+        [v, np.zeros(extra, np.int64)]).astype(np.int32).view(np.int64)
+    if narrow:
+        tables = [i32(bias_c), i32(m0_c, 16), i32(m1_c, 16),
+                  i32(np.left_shift(1, np.maximum(shift_c, 33) - 33)),
+                  i32(np.maximum(shift_c, 32) - 32)]
+    else:
+        tables = [np.zeros(fp // 2 + (fp + 16) + fp, np.int64)]
+    return np.concatenate([h, bias_c, m0_c, m1_c, add, shift_c, *tables])
+
+
+def narrow_epilogue(bias: np.ndarray, m0: np.ndarray, m1: np.ndarray, shift: np.ndarray,
+                    acc_bound: int) -> bool:
+    """Whether the kernel may requantize with 32-bit lanes and ``vpmuldq`` instead of i64 lanes
+    (the same result): every ``accumulator + bias`` fits in i32, the multipliers are below
+    2^31 and every shift is at least 33. The product sum ``T = (acc + bias) m0 + (r - z_r) m1``
+    is then formed per 64-bit lane, and since floor shifts compose,
+    ``(T + 2^(s-1)) >> s == ((T >> 32) + 2^(s-33)) >> (s - 32)``: only its high half goes on,
+    in i32 (|T| < 2^62 + 2^40, so that half, its rounding term and the output zero point stay
+    in i32)."""
+    if bias.size == 0:
+        return False
+    return bool(int(np.max(np.abs(bias))) + acc_bound < 2**31
+                and np.all((m0 >= 0) & (m0 < 2**31)) and np.all((m1 >= 0) & (m1 < 2**31))
+                and np.all((shift >= 33) & (shift <= 62)))
 
 
 _TARGETS: dict[tuple[str, ...], str] = {}
@@ -212,7 +287,26 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
         ins.append(("i32", s.n * (s.oh * s.ow + s.fp)))
     elif residual:
         ins.append(("i8", s.n * s.oh * s.ow * s.f))
-    out = ("i8", s.out_size)
+    order = [0, 1, 2, 3 if residual or matmul else 0, len(ins)]
+    return _executable(name, obj, ins, ("i8", s.out_size), order,
+                       MATMUL_SYMBOL if matmul else SYMBOL, (s.blocks, s.chunks, s.n), target,
+                       entry)
+
+
+def quantize_executable_mlir(name: str, obj: Path, q: QuantizeShape, nparams: int, target: str,
+                             entry: str) -> str:
+    """The ``hal.executable`` of :data:`QUANT_SYMBOL`: bindings (x f32, params, y), workgroups
+    (row chunks, 1, N)."""
+    ins = [("f32", q.n * q.c * q.h * q.w), ("i64", nparams)]
+    return _executable(name, obj, ins, ("i8", q.out_size), [0, 1, 2], QUANT_SYMBOL,
+                       (q.chunks, 1, q.n), target, entry)
+
+
+def _executable(name: str, obj: Path, ins: list[tuple[str, int]], out: tuple[str, int],
+                order: list[int], symbol: str, grid: tuple[int, int, int], target: str,
+                entry: str) -> str:
+    """A ``hal.executable`` whose one export calls ``symbol`` (bare pointers: each binding in
+    ``order`` as pointer and element offset, then the workgroup ids) over ``grid``."""
     binds = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * len(ins)
                       + ["#hal.pipeline.binding<storage_buffer>"])
     layout = f"#hal.pipeline.layout<bindings = [{binds}]>"
@@ -224,14 +318,12 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
                      f"binding({i}) alignment(64) offset(%c0) : memref<{n}x{et}>")
         lines.append(f"          %p{i}, %o{i}, %z{i}, %s{i} = iree_codegen.extract_strided_"
                      f"metadata %b{i} : memref<{n}x{et}> -> memref<{et}>, index, index, index")
-    order = [0, 1, 2, 3 if residual or matmul else 0, len(allb) - 1]
     for i in order:
         args += [f"%p{i}", f"%o{i}"]
         types += [f"memref<{allb[i][0]}>", "index"]
     args += ["%wx", "%wy", "%wz"]
     types += ["index"] * 3
     decl = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
-    symbol = MATMUL_SYMBOL if matmul else SYMBOL
     body = "\n".join(lines)
     return f"""
   hal.executable private @{name} {{
@@ -239,9 +331,9 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
         objects([#hal.executable.object<{{path = "{obj}"}}>]) {{
       hal.executable.export public @{entry} ordinal(0) layout({layout})
           count(%device: !hal.device) -> (index, index, index) {{
-        %x = arith.constant {s.blocks} : index
-        %y = arith.constant {s.chunks} : index
-        %z = arith.constant {s.n} : index
+        %x = arith.constant {grid[0]} : index
+        %y = arith.constant {grid[1]} : index
+        %z = arith.constant {grid[2]} : index
         hal.return %x, %y, %z : index, index, index
       }}
       builtin.module {{

@@ -25,7 +25,8 @@
 enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
   H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
-  H_YFILL, HEADER = 32
+  H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI,
+  HEADER = 32
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -40,11 +41,12 @@ typedef struct {
 // Accumulators of MR output pixels x NR*16 channels; xs[m]: pixel m's window origin (the
 // pixels of a tile may lie on different output rows).
 INLINE void tile(const conv_args* a, const uint8_t* const* xs, __m512i acc[6][4], int MR,
-                 int NR) {
+                 int NR, const int32_t* init) {
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
+    for (int j = 0; j < NR; ++j)
+      acc[m][j] = init ? _mm512_loadu_si512((const void*)(init + 16 * j)) : _mm512_setzero_si512();
   const int8_t* w = a->w;
   const int64_t quads = a->c >> 2;
   for (int64_t i = 0; i < a->kh; ++i) {
@@ -73,7 +75,14 @@ typedef struct {
   const int64_t* add;
   const int64_t* shift;
   int64_t zout, qmin, qmax;
-  int res, res_signed;
+  int res, res_signed, narrow, sat_signed, clamp_lo, clamp_hi;
+  int32_t res_zp;
+  // the narrow epilogue's tables (see store16_narrow)
+  const int32_t* bias32;
+  const int32_t* m0_32;
+  const int32_t* m1_32;
+  const int32_t* round32;
+  const int32_t* sh32;
 } epi_args;
 
 INLINE __m512i requant8(__m512i acc64, __m512i res64, const epi_args* e, int64_t c, int res) {
@@ -106,6 +115,39 @@ INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r,
   _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(y32));
 }
 
+// The same requantize with 32-bit lanes where it is exact (pack_params: every acc + bias fits in
+// i32, multipliers below 2^31, shifts >= 33). vpmuldq forms the 64-bit products of the even and
+// of the odd channels (m0_32 + c + 1 puts the odd channels' multipliers into the even dwords it
+// reads), and since floor shifts compose, (T + 2^(s-1)) >> s == ((T >> 32) + 2^(s-33)) >> (s-32):
+// only the high halves of the sums T go on, as i32. The bias is already in the accumulator (the
+// tile starts from it). The saturating store makes the clamps that the range of the output
+// type implies.
+INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_t* r,
+                           uint8_t* y, __mmask16 mask) {
+  __m512i pe = _mm512_mul_epi32(v, _mm512_loadu_si512((const void*)(e->m0_32 + c)));
+  __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32),
+                                _mm512_loadu_si512((const void*)(e->m0_32 + c + 1)));
+  if (e->res) {
+    __m128i rb = _mm_maskz_loadu_epi8(mask, (const void*)r);
+    __m512i r32 = e->res_signed ? _mm512_cvtepi8_epi32(rb) : _mm512_cvtepu8_epi32(rb);
+    r32 = _mm512_sub_epi32(r32, _mm512_set1_epi32(e->res_zp));
+    pe = _mm512_add_epi64(pe, _mm512_mul_epi32(
+        r32, _mm512_loadu_si512((const void*)(e->m1_32 + c))));
+    po = _mm512_add_epi64(po, _mm512_mul_epi32(
+        _mm512_srli_epi64(r32, 32), _mm512_loadu_si512((const void*)(e->m1_32 + c + 1))));
+  }
+  __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
+  t = _mm512_add_epi32(t, _mm512_loadu_si512((const void*)(e->round32 + c)));
+  t = _mm512_srav_epi32(t, _mm512_loadu_si512((const void*)(e->sh32 + c)));
+  t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)e->zout));
+  if (e->clamp_lo) t = _mm512_max_epi32(t, _mm512_set1_epi32((int32_t)e->qmin));
+  if (e->clamp_hi) t = _mm512_min_epi32(t, _mm512_set1_epi32((int32_t)e->qmax));
+  if (e->sat_signed)
+    _mm512_mask_cvtsepi32_storeu_epi8((void*)y, mask, t);
+  else
+    _mm512_mask_cvtusepi32_storeu_epi8((void*)y, mask, t);
+}
+
 // Per-pixel and per-channel i32 terms added to the accumulators before the requantize (the
 // zero-point corrections of a matmul whose operands are both run-time values); 0 for convs.
 typedef struct {
@@ -117,7 +159,7 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
                      const uint8_t* const* xs, int64_t c0, int64_t f, const uint8_t* r,
                      uint8_t* const* ys, int MR, int NR) {
   __m512i acc[6][4];
-  tile(a, xs, acc, MR, NR);
+  tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -132,7 +174,10 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
         v = _mm512_add_epi32(v, _mm512_set1_epi32(t->row[m]));
         v = _mm512_add_epi32(v, _mm512_loadu_si512((const void*)(t->col + c)));
       }
-      store16(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
+      if (e->narrow)
+        store16_narrow(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
+      else
+        store16(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
     }
 }
 
@@ -178,6 +223,16 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   e.shift = per + 4 * fp;
   e.zout = h[H_ZOUT]; e.qmin = h[H_QMIN]; e.qmax = h[H_QMAX];
   e.res = (int)h[H_RES]; e.res_signed = (int)h[H_RES_SIGNED];
+  e.narrow = (int)h[H_NARROW];
+  e.res_zp = (int32_t)h[H_RES_ZP];
+  e.sat_signed = (int)h[H_SIGNED];
+  e.clamp_lo = (int)h[H_CLAMP_LO]; e.clamp_hi = (int)h[H_CLAMP_HI];
+  const int64_t* nt = per + 5 * fp;        // the narrow tables (pack_params)
+  e.bias32 = (const int32_t*)nt;
+  e.m0_32 = e.bias32 + fp;
+  e.m1_32 = e.m0_32 + fp + 16;
+  e.round32 = e.m1_32 + fp + 16;
+  e.sh32 = e.round32 + fp;
   const int64_t pixels = ohn * ow;
   const int64_t p0 = chunk * h[H_CHUNK];
   const int64_t p1 = p0 + h[H_CHUNK] < pixels ? p0 + h[H_CHUNK] : pixels;
@@ -251,4 +306,59 @@ void qk_matmul_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
                     const int64_t* pb, int64_t po, const int32_t* tb, int64_t to,
                     uint8_t* yb, int64_t yo, int64_t blk, int64_t chunk, int64_t n) {
   conv_chunk(xb, xo, wb, wo, pb, po, 0, 0, tb + to, yb, yo, blk, chunk, n);
+}
+
+// The model input's quantize, written as a microkernel conv's padded input: f32 NCHW with
+// C <= 4 channels in, u8 NHWC with 4 channels out, bordered by PT rows and PL columns on each
+// side. q = clamp(roundeven(x * inv) + zp, qmin, qmax) in f32, like qmath.quantize_array; the
+// border and the channels past C hold the fill (the conv's zero point). One call writes
+// Q_ROWS input rows of image n (and the border rows next to them).
+enum { Q_N, Q_C, Q_H, Q_W, Q_PT, Q_PL, Q_ZP, Q_QMIN, Q_QMAX, Q_INV, Q_FILL, Q_ROWS };
+
+static void quantize_row(const float* x, int64_t plane, int64_t w, int64_t c, __m512 inv,
+                         __m512 zp, __m512 lo, __m512 hi, __m512i fill, uint32_t* y) {
+  for (int64_t i = 0; i < w; i += 16) {
+    const __mmask16 m = w - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w - i)) - 1u);
+    __m512i px = fill;
+    for (int64_t ch = 0; ch < c; ++ch) {
+      __m512 v = _mm512_maskz_loadu_ps(m, x + ch * plane + i);
+      v = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zp), lo), hi);
+      const __m512i q = _mm512_cvttps_epi32(v);
+      const __m512i keep = _mm512_set1_epi32(~(0xFF << (8 * ch)));
+      px = _mm512_or_si512(_mm512_and_si512(px, keep), _mm512_slli_epi32(q, (unsigned)(8 * ch)));
+    }
+    _mm512_mask_storeu_epi32((void*)(y + i), m, px);
+  }
+}
+
+void qk_quantize_nchw(const float* xb, int64_t xo, const int64_t* pb, int64_t po, uint8_t* yb,
+                      int64_t yo, int64_t chunk, int64_t unused, int64_t n) {
+  (void)unused;
+  const int64_t* h = pb + po;
+  const int64_t c = h[Q_C], hh = h[Q_H], w = h[Q_W], pt = h[Q_PT], pl = h[Q_PL];
+  const int64_t wp = w + 2 * pl, hp = hh + 2 * pt;
+  const int32_t invbits = (int32_t)h[Q_INV];
+  float inv;
+  __builtin_memcpy(&inv, &invbits, sizeof inv);
+  const __m512 vinv = _mm512_set1_ps(inv), zp = _mm512_set1_ps((float)h[Q_ZP]);
+  const __m512 lo = _mm512_set1_ps((float)h[Q_QMIN]), hi = _mm512_set1_ps((float)h[Q_QMAX]);
+  const uint32_t f8 = (uint32_t)h[Q_FILL] & 0xFFu;
+  const uint32_t fill = f8 * 0x01010101u;
+  const __m512i vfill = _mm512_set1_epi32((int32_t)fill);
+  const float* x = xb + xo + n * c * hh * w;
+  uint32_t* y = (uint32_t*)(yb + yo) + n * hp * wp;
+  const int64_t r0 = chunk * h[Q_ROWS];
+  const int64_t r1 = r0 + h[Q_ROWS] < hh ? r0 + h[Q_ROWS] : hh;
+  // border rows: the top ones with the first chunk, the bottom ones with the last
+  const int64_t b0 = r0 == 0 ? 0 : r0 + pt, b1 = r1 == hh ? hp : r1 + pt;
+  for (int64_t r = b0; r < b1; ++r) {
+    uint32_t* row = y + r * wp;
+    if (r < pt || r >= hh + pt) {
+      for (int64_t i = 0; i < wp; ++i) row[i] = fill;
+      continue;
+    }
+    for (int64_t i = 0; i < pl; ++i) row[i] = row[pl + w + i] = fill;
+    quantize_row(x + (r - pt) * w, hh * w, w, c, vinv, zp, lo, hi, vfill, row + pl);
+  }
 }

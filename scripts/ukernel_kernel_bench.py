@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""The VNNI conv microkernel alone (no IREE): the C source built into a shared library with a
+small driver that runs every workgroup of one layer on one thread, checked bit for bit against
+numpy (qcompile's requantize), timed per layer (median ms and GOPS).
+
+Usage: .venv/bin/python scripts/ukernel_kernel_bench.py [--source conv_vnni.c ...] [--shapes ...]
+
+Several ``--source`` files are timed side by side (e.g. a kernel change against ``git show
+HEAD:qcompile/codegen/ukernel/conv_vnni.c``)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from qcompile.codegen import ukernel  # noqa: E402
+
+DRIVER = r"""
+#include <stdint.h>
+#include <time.h>
+void qk_conv2d_u8s8(const uint8_t*, int64_t, const int8_t*, int64_t, const int64_t*, int64_t,
+                    const uint8_t*, int64_t, uint8_t*, int64_t, int64_t, int64_t, int64_t);
+// ns of each of `reps` passes over every workgroup of the layer
+void drive(const uint8_t* x, const int8_t* w, const int64_t* p, const uint8_t* r, uint8_t* y,
+           int64_t blocks, int64_t chunks, int64_t n, int reps, double* ns) {
+  for (int i = 0; i < reps; ++i) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int64_t b = 0; b < n; ++b)
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t k = 0; k < blocks; ++k)
+          qk_conv2d_u8s8(x, 0, w, 0, p, 0, r, 0, y, 0, k, c, b);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    ns[i] = (t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec);
+  }
+}
+"""
+
+# name: (N, H, W, C, F, K, stride, pad, residual)
+SHAPES = {
+    "112x112x16-96-1x1": (1, 112, 112, 16, 96, 1, 1, 0, False),
+    "56x56x24-144-1x1": (1, 56, 56, 24, 144, 1, 1, 0, False),
+    "56x56x144-24-1x1+res": (1, 56, 56, 144, 24, 1, 1, 0, True),
+    "28x28x32-192-1x1": (1, 28, 28, 32, 192, 1, 1, 0, False),
+    "14x14x384-64-1x1": (1, 14, 14, 384, 64, 1, 1, 0, False),
+    "7x7x960-160-1x1": (1, 7, 7, 960, 160, 1, 1, 0, False),
+    "56x56x64-64-3x3": (1, 56, 56, 64, 64, 3, 1, 1, False),
+    "56x56x64-64-3x3+res": (1, 56, 56, 64, 64, 3, 1, 1, True),
+    "14x14x256-256-3x3": (1, 14, 14, 256, 256, 3, 1, 1, False),
+    "7x7x2048-512-1x1": (1, 7, 7, 2048, 512, 1, 1, 0, False),
+    "224x224x3-64-7x7s2": (1, 224, 224, 3, 64, 7, 2, 3, False),
+    "9x11x6-40-3x3s2+res": (2, 9, 11, 6, 40, 3, 2, 1, True),
+    "8x8x20-37-1x1-shift": (1, 8, 8, 20, 37, 1, 1, 0, False),
+    "28x28x64-64-3x3+res-shift31": (1, 28, 28, 64, 64, 3, 1, 1, True),
+}
+# output (zero point, qmin, qmax), cycled over the shapes: s8, u8, s8 + relu, u8 + relu, u8 + clamp
+OUTPUTS = [(-3, -128, 127), (100, 0, 255), (-10, -10, 127), (20, 20, 255), (5, 0, 200)]
+
+
+def build(source: Path, tmp: Path) -> ctypes.CDLL:
+    drv = tmp / "driver.c"
+    drv.write_text(DRIVER)
+    so = tmp / f"{source.stem}-{abs(hash(source.read_bytes()))}.so"
+    flags = [f for f in ukernel.CFLAGS if f != "-c"]
+    subprocess.run(["gcc", *flags, "-shared", str(source), str(drv), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.drive.restype = None
+    return lib
+
+
+def layer(name, spec, out, rng, *, wide=False):
+    n, h, w, c, f, k, s, p, res = spec
+    cp = ukernel.padded_channels(c)
+    hp, wp = h + 2 * p, w + 2 * p
+    oh, ow = (hp - k) // s + 1, (wp - k) // s + 1
+    zx = 7
+    x = np.full((n, hp, wp, cp), zx, np.uint8)
+    x[:, p:p + h, p:p + w, :c] = rng.integers(0, 256, (n, h, w, c), dtype=np.uint8)
+    wv = np.zeros((f, k, k, cp), np.int8)
+    wv[..., :c] = rng.integers(-127, 128, (f, k, k, c), dtype=np.int8)
+    bias = rng.integers(-2000, 2000, f).astype(np.int64) - zx * wv.reshape(f, -1).astype(
+        np.int64).sum(1)
+    # real multipliers ~1e-3 (shift ~40); F = 37 has a small shift (< 32)
+    real = rng.uniform(2e-4, 2e-3, f)
+    m0 = np.asarray([int(round(r * 2.0 ** (30 - np.frexp(r)[1] + 1))) for r in real], np.int64)
+    shift = np.asarray([31 - np.frexp(r)[1] for r in real], np.int64)
+    if f == 37:   # a small shift
+        shift = np.minimum(shift, 20)
+    if name.endswith("shift31"):   # a residual term's multiplier sets the shift (wide path)
+        shift = np.full(f, 31)
+    m1 = rng.integers(2**30, 2**31, f).astype(np.int64) if res else None
+    zres = 5
+    shp = ukernel.ConvShape(n, hp, wp, cp, f, k, k, s, s, 1, 1, oh, ow)
+    zout, qmin, qmax = out
+    params = ukernel.pack_params(shp, bias, m0, shift, zout, qmin, qmax, m1=m1, res_zp=zres,
+                                 res_signed=False, acc_bound=2**31 if wide else None)
+    r = rng.integers(0, 256, (n, oh, ow, f), dtype=np.uint8) if res else np.zeros(1, np.uint8)
+    # numpy reference
+    cols = np.stack([x[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s, :]
+                     for i in range(k) for j in range(k)], axis=3)      # n oh ow kk cp
+    acc = np.einsum("nyxkc,fkc->nyxf", cols.astype(np.int64),
+                    wv.reshape(f, k * k, cp).astype(np.int64))
+    t = (acc + bias) * m0
+    if res:
+        t = t + (r.astype(np.int64) - zres) * m1
+    ref = np.clip(((t + (np.int64(1) << (shift - 1))) >> shift) + zout, qmin, qmax)
+    ref = ref.astype(np.int64).astype(np.uint8).view(np.int8)
+    macs = n * oh * ow * f * k * k * c
+    return dict(x=x, w=ukernel.pack_weights(wv), p=params, r=r, shp=shp, ref=ref, macs=macs)
+
+
+def run(lib, L, reps):
+    shp = L["shp"]
+    y = np.zeros(shp.out_size, np.int8)
+    ns = (ctypes.c_double * reps)()
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    lib.drive(ptr(L["x"]), ptr(L["w"]), ptr(L["p"]), ptr(L["r"]), ptr(y),
+              ctypes.c_int64(shp.blocks), ctypes.c_int64(shp.chunks), ctypes.c_int64(shp.n),
+              ctypes.c_int(reps), ns)
+    return y, [v / 1e6 for v in ns]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", nargs="*", type=Path, default=[ukernel.SOURCE])
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--wide", action="store_true", help="force the i64 (wide) epilogue")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [build(s, Path(tmp)) for s in args.source]
+        print("| shape | " + " | ".join(f"{s.name} ms (GOPS)" for s in args.source) + " |")
+        print("|---" * (len(libs) + 1) + "|")
+        for i, name in enumerate(args.shapes):
+            L = layer(name, SHAPES[name], OUTPUTS[i % len(OUTPUTS)], rng, wide=args.wide)
+            cells = []
+            for lib in libs:
+                y, t = run(lib, L, args.reps)
+                exact = np.array_equal(y.reshape(L["ref"].shape), L["ref"])
+                ms = statistics.median(t)
+                cells.append(f"{ms:.4f} ({2 * L['macs'] / ms / 1e6:.0f})"
+                             + ("" if exact else " MISMATCH"))
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
