@@ -217,3 +217,31 @@ def test_stock_requant__narrow_form_bit_exact_at_extreme_values(shift_floor):
                                                       *iree_cpu.FAST_FLAGS)))(
         inputs[0].view(np.int8), inputs[1])[0]
     np.testing.assert_array_equal(got, interpreter.run(g, *inputs)[0])
+
+
+def test_shard_size__even_shards_of_at_least_four():
+    assert cpu.shard_size(8, 2) == 4
+    assert cpu.shard_size(16, 2) == 8
+    assert cpu.shard_size(6, 2) is None          # shards of 3
+    assert cpu.shard_size(9, 2) is None          # uneven
+    assert cpu.shard_size(8, 1) is None          # one thread
+    assert cpu.shard_size(12, 3) == 4
+
+
+def test_data_parallel_shards__same_outputs_as_one_module(monkeypatch):
+    """Batch 8 on 2 threads runs as two shards of 4 (compiled for that), each on its own
+    local-sync context, and gives the batch-8 module's outputs; other batches run in pieces."""
+    monkeypatch.setenv("QCOMPILE_THREADS", "2")
+    q, _ = _quantized("add_relu", QuantizeConfig(quantizer="qcompile"))
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1, 8), analyze=False))
+    assert sorted(model.runner.modules) == [1, 4, 8]
+    x = torch.randn(8, 3, 12, 12, generator=torch.Generator().manual_seed(5))
+    whole = model.runner.modules[8].module()(x.numpy())[0]
+    got = model(x).numpy()
+    np.testing.assert_array_equal(got, whole)
+    assert len(model.runner.modules[4]._inline) == 2          # the two shard contexts ran
+    np.testing.assert_array_equal(got, interpreter.run(model.runner.modules[8].graph,
+                                                       x.numpy())[0])
+    np.testing.assert_array_equal(model(x[:7]).numpy(), got[:7])   # 4 + 1 + 1 + 1
+    monkeypatch.setenv("QCOMPILE_THREADS", "1")
+    np.testing.assert_array_equal(model(x).numpy(), got)       # the batch-8 module itself

@@ -5,12 +5,21 @@ QIR is static-shaped, so each batch size in ``batch_sizes`` gets its own module 
 among them). A call with another batch size runs in pieces of compiled sizes, largest first, and
 the pieces' outputs are concatenated: any batch from 1 to ``max_batch`` runs, and results do not
 depend on how a batch is split (each sample is computed on its own).
+
+A batch of ``T · k`` samples (``T`` threads, ``k >= SHARD_MIN``) whose shard size ``k`` is
+compiled runs data-parallel: ``T`` shards at once, each on its own IREE ``local-sync`` context
+(inline in one thread, no task system). IREE's task system pays a worker wake-up at every
+dispatch boundary (tens of µs on a VM, often more when the host is busy); shards pay none. See
+:func:`shard_size`.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,11 +45,51 @@ class BatchModule:
     driver: str = "local-task"        # IREE runtime driver (hip, vulkan for the GPU targets)
     ukernel: dict[str, Any] | None = None   # the microkernel convs of this module
     _module: iree_cpu.Module | None = field(default=None, repr=False)
+    _inline: list[iree_cpu.Module] = field(default_factory=list, repr=False)
 
     def module(self) -> iree_cpu.Module:
         if self._module is None:
             self._module = iree_cpu.Module(self.vmfb, self.driver)
         return self._module
+
+    def inline(self, i: int) -> iree_cpu.Module:
+        """The ``i``-th ``local-sync`` instance (one per data-parallel shard thread)."""
+        with _LOCK:
+            while len(self._inline) <= i:
+                self._inline.append(iree_cpu.Module(self.vmfb, "local-sync"))
+            return self._inline[i]
+
+
+SHARD_MIN = 4          # samples per data-parallel shard, at least
+_LOCK = threading.Lock()
+_POOL: ThreadPoolExecutor | None = None
+
+
+def threads() -> int:
+    """Threads qcompile's ``cpu`` target uses: ``QCOMPILE_THREADS``, else torch's intra-op
+    thread count (what the benchmark gives every engine)."""
+    env = os.environ.get("QCOMPILE_THREADS", "").strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    return max(1, torch.get_num_threads())
+
+
+def shard_size(batch: int, n_threads: int | None = None) -> int | None:
+    """The per-thread batch when ``batch`` runs as data-parallel shards, or None: ``batch / T``
+    when it divides evenly into shards of at least :data:`SHARD_MIN` samples (smaller batches
+    keep one module on IREE's task system, so that their compile stays one module)."""
+    t = threads() if n_threads is None else n_threads
+    if t < 2 or batch % t or batch // t < SHARD_MIN:
+        return None
+    return batch // t
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _LOCK:
+        if _POOL is None or _POOL._max_workers < n:   # noqa: SLF001 - resize on demand
+            _POOL = ThreadPoolExecutor(n, thread_name_prefix="qcompile-shard")
+        return _POOL
 
 
 def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = None,
@@ -144,8 +193,18 @@ class CpuRunner:
         self.modules, self.outputs = modules, outputs
 
     def run_numpy(self, *inputs: np.ndarray) -> list[np.ndarray]:
-        return run_in_pieces(lambda size, xs: self.modules[size].module()(*xs), inputs,
-                             list(self.modules))
+        return run_in_pieces(self._run, inputs, list(self.modules))
+
+    def _run(self, size: int, xs: list[np.ndarray]) -> list[np.ndarray]:
+        k = shard_size(size)
+        mod = self.modules[size]
+        if k is None or k not in self.modules or mod.driver != "local-task":
+            return mod.module()(*xs)
+        shard = self.modules[k]
+        futures = [_pool(size // k).submit(shard.inline(i), *[x[i * k:(i + 1) * k] for x in xs])
+                   for i in range(size // k)]
+        parts = [f.result() for f in futures]
+        return [np.concatenate(p) for p in zip(*parts, strict=True)]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         raw = self.run_numpy(*[x.detach().contiguous().numpy() for x in inputs])

@@ -46,6 +46,10 @@ def compile_cpu(q: QuantizedModel, options: CompileOptions | None = None) -> Com
 
     options = options or CompileOptions()
     sizes = batch_sizes(q, options.batch_sizes)
+    if q.dynamic_batch:
+        # the data-parallel shards' size (cpu.shard_size) is compiled too
+        shards = {k for b in sizes if (k := cpu.shard_size(b)) is not None}
+        sizes = tuple(sorted({*sizes, *shards}))
     t0 = time.perf_counter()
     lowered = {b: lower(q, b, float_ops=options.float_ops) for b in sizes}
     lower_s = time.perf_counter() - t0
