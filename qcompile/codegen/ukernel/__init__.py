@@ -212,17 +212,17 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
               int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride, s.chunk,
               *s.out_pad, s.out_fill, int(narrow), res_zp, int(signed), int(clamp_lo),
               int(clamp_hi)]
-    # the narrow epilogue's tables: bias, m0 and m1 (i32; m0, m1 with 16 more so that a load
-    # at channel c + 1 stays inside), the rounding term 2^(s-33) and s - 32 (i32); zeros where
-    # the wide epilogue runs
-    i32 = lambda v, extra=0: np.concatenate(  # noqa: E731
-        [v, np.zeros(extra, np.int64)]).astype(np.int32).view(np.int64)
+    # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
+    # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
+    # rounding term 2^(s-33); s - 32. Zeros where the wide epilogue runs
+    i32 = lambda v: v.astype(np.int32).view(np.int64)  # noqa: E731
+    odd = lambda v: np.append(v[1:], 0)  # noqa: E731
     if narrow:
-        tables = [i32(bias_c), i32(m0_c, 16), i32(m1_c, 16),
+        tables = [i32(bias_c), i32(m0_c), i32(odd(m0_c)), i32(m1_c), i32(odd(m1_c)),
                   i32(np.left_shift(1, np.maximum(shift_c, 33) - 33)),
                   i32(np.maximum(shift_c, 32) - 32)]
     else:
-        tables = [np.zeros(fp // 2 + (fp + 16) + fp, np.int64)]
+        tables = [np.zeros(7 * fp // 2, np.int64)]
     return np.concatenate([h, bias_c, m0_c, m1_c, add, shift_c, *tables])
 
 

@@ -80,7 +80,9 @@ typedef struct {
   // the narrow epilogue's tables (see store16_narrow)
   const int32_t* bias32;
   const int32_t* m0_32;
+  const int32_t* m0_odd;     // m0_32 one channel down: the odd channels in the even dwords
   const int32_t* m1_32;
+  const int32_t* m1_odd;
   const int32_t* round32;
   const int32_t* sh32;
 } epi_args;
@@ -117,16 +119,16 @@ INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r,
 
 // The same requantize with 32-bit lanes where it is exact (pack_params: every acc + bias fits in
 // i32, multipliers below 2^31, shifts >= 33). vpmuldq forms the 64-bit products of the even and
-// of the odd channels (m0_32 + c + 1 puts the odd channels' multipliers into the even dwords it
-// reads), and since floor shifts compose, (T + 2^(s-1)) >> s == ((T >> 32) + 2^(s-33)) >> (s-32):
-// only the high halves of the sums T go on, as i32. The bias is already in the accumulator (the
+// of the odd channels (m0_odd holds the odd channels' multipliers in the even dwords it reads),
+// and since floor shifts compose, (T + 2^(s-1)) >> s == ((T >> 32) + 2^(s-33)) >> (s-32): only
+// the high halves of the sums T go on, as i32. The bias is already in the accumulator (the
 // tile starts from it). The saturating store makes the clamps that the range of the output
 // type implies.
 INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_t* r,
                            uint8_t* y, __mmask16 mask) {
   __m512i pe = _mm512_mul_epi32(v, _mm512_loadu_si512((const void*)(e->m0_32 + c)));
   __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32),
-                                _mm512_loadu_si512((const void*)(e->m0_32 + c + 1)));
+                                _mm512_loadu_si512((const void*)(e->m0_odd + c)));
   if (e->res) {
     __m128i rb = _mm_maskz_loadu_epi8(mask, (const void*)r);
     __m512i r32 = e->res_signed ? _mm512_cvtepi8_epi32(rb) : _mm512_cvtepu8_epi32(rb);
@@ -134,7 +136,7 @@ INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_
     pe = _mm512_add_epi64(pe, _mm512_mul_epi32(
         r32, _mm512_loadu_si512((const void*)(e->m1_32 + c))));
     po = _mm512_add_epi64(po, _mm512_mul_epi32(
-        _mm512_srli_epi64(r32, 32), _mm512_loadu_si512((const void*)(e->m1_32 + c + 1))));
+        _mm512_srli_epi64(r32, 32), _mm512_loadu_si512((const void*)(e->m1_odd + c))));
   }
   __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
   t = _mm512_add_epi32(t, _mm512_loadu_si512((const void*)(e->round32 + c)));
@@ -230,8 +232,10 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   const int64_t* nt = per + 5 * fp;        // the narrow tables (pack_params)
   e.bias32 = (const int32_t*)nt;
   e.m0_32 = e.bias32 + fp;
-  e.m1_32 = e.m0_32 + fp + 16;
-  e.round32 = e.m1_32 + fp + 16;
+  e.m0_odd = e.m0_32 + fp;
+  e.m1_32 = e.m0_odd + fp;
+  e.m1_odd = e.m1_32 + fp;
+  e.round32 = e.m1_odd + fp;
   e.sh32 = e.round32 + fp;
   const int64_t pixels = ohn * ow;
   const int64_t p0 = chunk * h[H_CHUNK];
