@@ -190,7 +190,8 @@ def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkey
     model = compile_cpu(q, CompileOptions(batch_sizes=(1,), analyze=False))
     rep = model.report["compile"]["ukernel"]
     assert rep == {"used": False, "why": rep["why"], "chains": {"1": 0},
-                   "lowered": [], "stock": {}, "narrow_epilogue": 0, "input_quantize": 0}
+                   "lowered": [], "stock": {}, "narrow_epilogue": 0, "input_quantize": 0,
+                   "shared_input_dispatches": 0}
     assert "no AVX-512 VNNI" in rep["why"]
     np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
         model.runner.modules[1].graph, x[:1].numpy())[0])
@@ -233,3 +234,41 @@ def test_linear_chain__microkernel_equals_reference_bit_for_bit(rows, k, n, x_dt
               for i in ins]
     got = module.module()(*inputs)[0]
     np.testing.assert_array_equal(got.view(np.uint8), interpreter.run(graph, *inputs)[0])
+
+
+@needs_vnni
+@pytest.mark.parametrize("x_dt,k,ns", [
+    ("u8", 64, (96, 96, 96)),          # attention's q, k, v: one dispatch
+    ("i8", 30, (40, 72, 17)),          # K padded to 32, widths that are no multiple of 64
+])
+def test_linears_sharing_their_input__one_dispatch_bit_exact(x_dt, k, ns):
+    """Linears reading the same tensor run as one qk_linear_multi dispatch (each with its own
+    weights and requantize, s8 and u8 outputs alike); a linear with a residual keeps its own."""
+    from qcompile.codegen import cpu
+    from qcompile.ir import qmath
+    from qcompile.ir.graph import Graph, Op, node
+    from qcompile.ir.types import DType, QParams
+
+    rng = np.random.default_rng(9)
+    xd = DType(x_dt)
+    x = node(Op.INPUT, xd, (2, 13, k), name="x")
+    r = node(Op.INPUT, DType.I8, (2, 13, 24), name="r")
+    outs = []
+    for i, n in enumerate((*ns, 24)):
+        w = node(Op.CONST, DType.I8, (n, k), value=rng.integers(-128, 128, (n, k), np.int8))
+        bias = node(Op.CONST, DType.I32, (n,), value=rng.integers(-900, 900, n, np.int32))
+        lin = node(Op.QLINEAR, DType.I32, (2, 13, n), x, w, bias,
+                   x_zp=-3 if x_dt == "i8" else 131)
+        qp = QParams(DType.I8, (1.0,), (i - 2,), -128, 127)
+        reals, zps, srcs = [np.linspace(2e-4, 6e-4 * (i + 1), n)], [0], [lin]
+        if n == 24:                                         # the residual linear
+            reals, zps, srcs = [*reals, [0.3]], [0, -5], [lin, r]
+        outs.append(node(Op.REQUANT, DType.I8, lin.shape, *srcs,
+                         rq=qmath.make_requant(reals, zps, qp, axis=2)))
+    graph = Graph("shared_input", (x, r), tuple(outs))
+    module = cpu.compile_graph(graph, 1, uk=emit_ukernel.support(True))
+    assert module.ukernel["chains"] == 4 and module.ukernel["shared_input_dispatches"] == 1
+    inputs = [rng.integers(*i.dtype.range, endpoint=True, size=i.shape).astype(i.dtype.np)
+              for i in (x, r)]
+    for got, want in zip(module.module()(*inputs), interpreter.run(graph, *inputs), strict=True):
+        np.testing.assert_array_equal(got.view(want.dtype), want)

@@ -140,9 +140,12 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
             got = iree_cpu.try_compile(text, flags)
             if isinstance(got, bytes):
                 chains = [c for c in calls if c.quantize is None]
-                info = {"chains": len(chains), "lowered": [c.loc for c in chains],
-                        "stock": stock, "narrow_epilogue": sum(c.narrow for c in chains),
-                        "input_quantize": len(calls) - len(chains)}
+                locs = [loc for c in chains for loc in (c.members or (c.loc,))]
+                info = {"chains": len(locs), "lowered": locs, "stock": stock,
+                        "narrow_epilogue": sum(len(c.members or (c.loc,)) for c in chains
+                                               if c.narrow),
+                        "input_quantize": len(calls) - len(chains),
+                        "shared_input_dispatches": sum(c.multi is not None for c in chains)}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
             errors.append(got)
     assert first is not None
@@ -236,8 +239,9 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
     """``used``, ``why`` (not), the count of chains (conv or linear → requantize) lowered per
     batch size, and for the largest batch which took it, how many of those requantize in 32-bit
     lanes (``narrow_epilogue``), whether the model input is quantized by the microkernel
-    straight into the first conv's padded input (``input_quantize``) and why the others kept
-    the stock lowering."""
+    straight into the first conv's padded input (``input_quantize``), how many dispatches run
+    several linears that share their input (``shared_input_dispatches``: attention's q, k, v)
+    and why the others kept the stock lowering."""
     infos = {b: m.ukernel for b, m in modules.items() if m.ukernel is not None}
     counts = {str(b): i["chains"] for b, i in sorted(infos.items())}
     used = any(counts.values())
@@ -251,5 +255,6 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
         last = infos[max(infos)]
         out.update(lowered=last["lowered"], stock=last["stock"],
                    narrow_epilogue=last.get("narrow_epilogue", 0),
-                   input_quantize=last.get("input_quantize", 0))
+                   input_quantize=last.get("input_quantize", 0),
+                   shared_input_dispatches=last.get("shared_input_dispatches", 0))
     return out

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 PREFIX = "qk_conv_"            # conv chains; linear and matmul chains: MATMUL_PREFIX
 MATMUL_PREFIX = "qk_matmul_"
 QUANT_PREFIX = "qk_quant_"     # the model input's quantize into a conv's padded input
+MULTI_PREFIX = "qk_mlin_"      # linears sharing their input, one dispatch
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class UkCall:
     matmul: bool = False             # a batched matmul of two run-time operands
     narrow: bool = False             # requantized with 32-bit lanes (pack_params)
     quantize: ukernel.QuantizeShape | None = None   # an input quantize (qk_quantize_nchw)
+    multi: tuple[int, int] | None = None    # linears sharing their input: (blocks, output size)
+    members: tuple[str | None, ...] = ()    # their locations (one chain each)
 
 
 def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
@@ -112,6 +115,26 @@ def plan(graph: Graph, users: dict[int, list[Node]]) -> tuple[dict[int, Node], d
     return chosen, stock
 
 
+def linear_groups(graph: Graph, chosen: dict[int, Node], users: dict[int, list[Node]]
+                  ) -> dict[int, tuple[Node, ...]]:
+    """``id(linear) -> the linears it shares one dispatch with``: microkernel linear chains
+    that read the same tensor with the same zero point and K, without a residual and onto the
+    same int8 type (attention's q, k and v projections), in graph order."""
+    by_input: dict[tuple[int, int], list[Node]] = {}
+    for n in graph.nodes():
+        if n.op is not Op.QLINEAR or id(n) not in chosen or len(chosen[id(n)].src) != 1:
+            continue
+        key = (id(n.src[0]), int(n.attrs.x_zp))
+        by_input.setdefault(key, []).append(n)
+    out: dict[int, tuple[Node, ...]] = {}
+    for lins in by_input.values():
+        dtypes = {chosen[id(n)].dtype for n in lins}
+        if len(lins) > 1 and len(dtypes) == 1:
+            for n in lins:
+                out[id(n)] = tuple(lins)
+    return out
+
+
 def _flat(x: TV) -> TV:
     return b.reshape(x, (int(np.prod(x.shape)),))
 
@@ -127,6 +150,10 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         assert pending.y is not None
         return _emit_matmul(em, rq_node, pending.x, pending.y)
     x, zp = as_u8(pending.x, a.x_zp)
+    if conv.op is Op.QLINEAR and id(conv) in em.uk_groups:
+        if id(rq_node) not in em.uk_group_out:
+            _emit_linear_group(em, em.uk_groups[id(conv)], x, zp)
+        return em.uk_group_out[id(rq_node)]
     if conv.op is Op.QLINEAR:
         xp, w, s = _linear_operands(em, conv, x, zp)
     else:
@@ -173,6 +200,54 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
     padded = b.reshape(out, (s.n, s.oh + 2 * pt, s.ow + 2 * pl, s.f))
     em.prepadded[id(rq_node)] = (padded, s.out_pad)
     return b.extract_slice(padded, [0, pt, pl, 0], list(rq_node.shape), [1, 1, 1, 1])
+
+
+def _emit_linear_group(em: Emitter, lins: tuple[Node, ...], x: TV, zp: int) -> None:
+    """Linears sharing the input ``x`` (u8, zero point ``zp``) as one ``qk_linear_multi``
+    dispatch: their packed weights and params back to back behind a directory, the grid's
+    channel blocks running over the linears in turn; each requantize's output is a slice of
+    the one result (``em.uk_group_out``)."""
+    from qcompile.codegen.emit_contract import folded_bias
+
+    xp, _, s0 = _linear_operands(em, lins[0], x, zp)
+    head = 1 + ukernel.M_ENTRY * len(lins)
+    directory, weights, params = [len(lins)], [], []
+    blocks = p_off = w_off = o_off = 0
+    slices = []
+    for lin in lins:
+        rq_node = em.users[id(lin)][0]
+        rq = rq_node.attrs.rq
+        w = np.asarray(lin.src[1].attrs.value)
+        nn = w.shape[0]
+        s = replace(s0, f=nn)
+        bias = folded_bias(np.asarray(lin.src[2].attrs.value), w, zp, lin) - \
+            rq.terms[0].zero_point
+        pw = ukernel.pack_weights(np.pad(w, ((0, 0), (0, s.c - w.shape[1]))).reshape(
+            nn, 1, 1, s.c))
+        pp = ukernel.pack_params(s, bias, np.asarray(rq.terms[0].multiplier, np.int64),
+                                 np.asarray(rq.shift), rq.zp_out, rq.qmin, rq.qmax)
+        directory += [blocks, head + p_off, w_off, o_off]
+        weights.append(pw)
+        params.append(pp)
+        slices.append((rq_node, o_off, s.out_size, bool(pp[ukernel.H_NARROW])))
+        blocks += s.blocks
+        p_off += pp.size
+        w_off += pw.size
+        o_off += s.out_size
+    dtype = em.users[id(lins[0])][0].dtype
+    ids = "_".join(f"{em.ids[id(n)]}_{em.ids[id(em.users[id(n)][0])]}" for n in lins)
+    name = f"{MULTI_PREFIX}{ids}"
+    all_w = np.concatenate(weights)
+    all_p = np.concatenate([np.asarray(directory, np.int64), *params])
+    with em.loc(lins[0]):
+        out = _call(em, name, [_flat(xp), b.constant(all_w, DType.I8),
+                               b.constant(all_p, DType.I64)], o_off, dtype)
+    em.uk_calls.append(UkCall(name, s0, all_p.size, all_w.size, False, lins[0].loc,
+                              narrow=all(n for *_, n in slices), multi=(blocks, o_off),
+                              members=tuple(n.loc for n in lins)))
+    for rq_node, off, size, _ in slices:
+        piece = b.extract_slice(out, [off], [size], [1])
+        em.uk_group_out[id(rq_node)] = b.reshape(piece, rq_node.shape)
 
 
 def _padded_reader(em: Emitter, rq_node: Node) -> Node | None:
@@ -330,7 +405,7 @@ def _call(em: Emitter, name: str, operands: Sequence[TV], size: int, dtype: DTyp
     return TV(call.results[0], dtype, (size,))
 
 
-_NAMES = rf"(?:{PREFIX}|{MATMUL_PREFIX}|{QUANT_PREFIX})\d+_\d+"
+_NAMES = rf"(?:{PREFIX}|{MATMUL_PREFIX}|{QUANT_PREFIX}|{MULTI_PREFIX})\d+(?:_\d+)+"
 _DECL = re.compile(rf"^ *func\.func private @({_NAMES})\(.*$", re.M)
 _CALL = re.compile(rf"\b(?:func\.)?call @({_NAMES})\(")
 
@@ -345,6 +420,9 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str) -> str:
         if c.quantize is not None:
             return ukernel.quantize_executable_mlir(c.name, obj, c.quantize, c.nparams, target,
                                                     entry=c.name)
+        if c.multi is not None:
+            return ukernel.multi_executable_mlir(c.name, obj, c.shape, c.nweights, c.nparams,
+                                                 c.multi[1], c.multi[0], target, entry=c.name)
         return ukernel.executable_mlir(c.name, obj, c.shape, c.nparams, c.nweights, c.residual,
                                        target, entry=c.name, matmul=c.matmul)
 

@@ -21,8 +21,8 @@ _NAME = re.compile(r'"qir(\d+)(\.copy)?"')
 _REF = re.compile(r"#loc\d*\b")
 _EXEC = re.compile(r"^  flow\.executable private @(\w+) \{$", re.M)
 # the VNNI conv microkernel's executables are named by their chain (emit_ukernel.emit)
-_UKERNEL = re.compile(r"^  hal\.executable private @(qk_(?:conv|matmul|quant)_(\d+)_(\d+)) \{$",
-                      re.M)
+_UKERNEL = re.compile(r"^  hal\.executable private @(qk_(?:conv|matmul|quant|mlin)_(\d+(?:_\d+)+))"
+                      r" \{$", re.M)
 _DISPATCH = re.compile(r"flow\.dispatch @(\w+)::(?:@\w+::)?@(\w+)\(([^)]*)\) : (.*)$", re.M)
 # the ops that compute: a linalg.generic (its location follows its region) or a slice copy;
 # constants, fills and empties are CSE'd across chains and keep whichever location came first
@@ -49,7 +49,7 @@ def parse_flow(flow: str) -> tuple[dict[str, set[tuple[int, bool]]], list[dict[s
         body = flow[m.end():nxt.start() if nxt else len(flow)]
         execs[m.group(1)] = _resolve("\n".join(_COMPUTE.findall(body)), aliases, set())
     for m in _UKERNEL.finditer(flow):
-        execs[m.group(1)] = {(int(m.group(2)), False), (int(m.group(3)), False)}
+        execs[m.group(1)] = {(int(k), False) for k in m.group(2).split("_")}
     calls = [{"executable": m.group(1), "entry": m.group(2),
               "writes": sorted(set(_ELEM.findall(_result_types(m))))}
              for m in _DISPATCH.finditer(flow)]
@@ -129,6 +129,8 @@ CONTRACTIONS = frozenset({Op.QCONV2D.value, Op.QLINEAR.value, Op.QMATMUL.value})
 def _kind(entry: str) -> str:
     if entry.startswith("qk_quant_"):         # the microkernel's input quantize
         return "elementwise"
+    if entry.startswith("qk_mlin_"):          # linears sharing their input
+        return "matmul"
     if "memcpy" in entry or "slow_memcpy" in entry:
         return "copy"
     for key in ("matmul", "conv", "elementwise", "reduction", "pooling", "generic"):

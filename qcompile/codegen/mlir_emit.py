@@ -103,6 +103,10 @@ class Emitter:
         self.uk_chains, self.uk_stock = emit_ukernel.plan(graph, self.users) \
             if self.opts.ukernel_convs else ({}, {})
         self.uk_calls: list[emit_ukernel.UkCall] = []
+        # linears sharing their input, one dispatch (emit_ukernel.linear_groups), and the
+        # requantize outputs their call has produced
+        self.uk_groups = emit_ukernel.linear_groups(graph, self.uk_chains, self.users)
+        self.uk_group_out: dict[int, TV] = {}
         self.module: ir.Module | None = None
         self.values: dict[int, Value] = {}     # emitted so far (node id → value)
         # microkernel outputs written into their reader's zero-point-padded input: node id →

@@ -31,6 +31,8 @@ SOURCE = Path(__file__).with_name("conv_vnni.c")
 SYMBOL = "qk_conv2d_u8s8"
 MATMUL_SYMBOL = "qk_matmul_u8s8"
 QUANT_SYMBOL = "qk_quantize_nchw"
+MULTI_SYMBOL = "qk_linear_multi"
+M_ENTRY = 4          # directory entry of a multi-linear call: first block, params, weights, out
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
           "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
           "-fno-asynchronous-unwind-tables", "-c")
@@ -300,6 +302,15 @@ def quantize_executable_mlir(name: str, obj: Path, q: QuantizeShape, nparams: in
     ins = [("f32", q.n * q.c * q.h * q.w), ("i64", nparams)]
     return _executable(name, obj, ins, ("i8", q.out_size), [0, 1, 2], QUANT_SYMBOL,
                        (q.chunks, 1, q.n), target, entry)
+
+
+def multi_executable_mlir(name: str, obj: Path, s: ConvShape, nweights: int, nparams: int,
+                          out_size: int, blocks: int, target: str, entry: str) -> str:
+    """The ``hal.executable`` of :data:`MULTI_SYMBOL` (linears sharing the input ``s``):
+    bindings (x, w, params, y), workgroups (the linears' blocks, chunks, N)."""
+    ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
+    return _executable(name, obj, ins, ("i8", out_size), [0, 1, 2, 3], MULTI_SYMBOL,
+                       (blocks, s.chunks, s.n), target, entry)
 
 
 def _executable(name: str, obj: Path, ins: list[tuple[str, int]], out: tuple[str, int],

@@ -366,3 +366,20 @@ void qk_quantize_nchw(const float* xb, int64_t xo, const int64_t* pb, int64_t po
     quantize_row(x + (r - pt) * w, hh * w, w, c, vinv, zp, lo, hi, vfill, row + pl);
   }
 }
+
+// Several linears that read the same input (attention's q, k and v projections) as one
+// dispatch: the grid's channel blocks run over the linears one after another. params starts
+// with a directory, M_SEGS then per linear (first block, its params' offset in i64, its packed
+// weights' offset in bytes, its output's offset in bytes), each linear's params (pack_params)
+// after it; the outputs lie back to back.
+enum { M_SEGS = 0, M_DIR = 1, M_ENTRY = 4 };
+
+void qk_linear_multi(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                     const int64_t* pb, int64_t po, uint8_t* yb, int64_t yo, int64_t blk,
+                     int64_t chunk, int64_t n) {
+  const int64_t* d = pb + po;
+  int64_t i = d[M_SEGS] - 1;
+  while (i > 0 && blk < d[M_DIR + i * M_ENTRY]) --i;
+  const int64_t* s = d + M_DIR + i * M_ENTRY;
+  conv_chunk(xb, xo, wb, wo + s[2], pb, po + s[1], 0, 0, 0, yb, yo + s[3], blk - s[0], chunk, n);
+}
