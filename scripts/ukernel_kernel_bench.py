@@ -62,6 +62,7 @@ SHAPES = {
     "9x11x6-40-3x3s2+res": (2, 9, 11, 6, 40, 3, 2, 1, True),
     "8x8x20-37-1x1-shift": (1, 8, 8, 20, 37, 1, 1, 0, False),
     "28x28x64-64-3x3+res-shift31": (1, 28, 28, 64, 64, 3, 1, 1, True),
+    "8x8x20-40-1x1-shift62": (1, 8, 8, 20, 40, 1, 1, 0, False),
 }
 # output (zero point, qmin, qmax), cycled over the shapes: s8, u8, s8 + relu, u8 + relu, u8 + clamp
 OUTPUTS = [(-3, -128, 127), (100, 0, 255), (-10, -10, 127), (20, 20, 255), (5, 0, 200)]
@@ -98,6 +99,9 @@ def layer(name, spec, out, rng, *, wide=False):
         shift = np.minimum(shift, 20)
     if name.endswith("shift31"):   # a residual term's multiplier sets the shift (wide path)
         shift = np.full(f, 31)
+    if name.endswith("shift62"):   # narrow, but the zero point too large to fold at this shift
+        shift = np.full(f, 62)
+        m0 = np.full(f, 2**31 - 1)
     m1 = rng.integers(2**30, 2**31, f).astype(np.int64) if res else None
     zres = 5
     shp = ukernel.ConvShape(n, hp, wp, cp, f, k, k, s, s, 1, 1, oh, ow)

@@ -63,16 +63,20 @@ def test_microkernel_epilogues__narrow_and_wide_bit_exact_on_every_output_range(
     lib = kbench.build(ukernel.SOURCE, tmp_path)
     rng = np.random.default_rng(1)
     names = ["56x56x144-24-1x1+res", "9x11x6-40-3x3s2+res", "8x8x20-37-1x1-shift",
-             "28x28x64-64-3x3+res-shift31", "28x28x32-192-1x1", "14x14x384-64-1x1"]
-    chosen = []
+             "28x28x64-64-3x3+res-shift31", "28x28x32-192-1x1", "14x14x384-64-1x1",
+             "8x8x20-40-1x1-shift62"]
+    chosen, folded = [], []
     for i, name in enumerate(names * 2):
         layer = kbench.layer(name, kbench.SHAPES[name], kbench.OUTPUTS[i % 5], rng, wide=wide)
         y, _ = kbench.run(lib, layer, 1)
         np.testing.assert_array_equal(y.reshape(layer["ref"].shape), layer["ref"], err_msg=name)
         chosen.append(bool(layer["p"][ukernel.H_NARROW]))
-    # narrow wherever every shift is >= 33 (the -shift layers have shifts 20 and 31)
-    want = [not wide and "shift" not in n for n in names * 2]
+        folded.append(bool(layer["p"][ukernel.H_ZFOLD]))
+    # narrow wherever every shift is >= 33 (the -shift layers have shifts 20 and 31); the
+    # output zero point folds into the rounding term except at shift 62
+    want = [not wide and ("shift" not in n or n.endswith("62")) for n in names * 2]
     assert chosen == want
+    assert folded == [w and not n.endswith("62") for w, n in zip(want, names * 2, strict=True)]
 
 
 def test_narrow_epilogue__only_where_the_32_bit_form_is_exact():

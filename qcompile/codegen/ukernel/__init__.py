@@ -38,6 +38,7 @@ CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx51
           "-fno-asynchronous-unwind-tables", "-c")
 HEADER = 32
 H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue runs
+H_ZFOLD = 29        # header slot: the output zero point is folded into its rounding term
 BLOCK = 64          # output channels per workgroup
 
 
@@ -209,20 +210,33 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     signed = qmax <= 127
     clamp_lo = not (signed and qmin == -128)
     clamp_hi = qmax not in (127, 255)
+    # the output zero point folds into the narrow rounding term (zp · 2^(s-32) is a multiple
+    # of the remaining shift) where that term and the high half |T >> 32| still fit in i32
+    round32 = np.left_shift(np.int64(1), np.maximum(shift_c, 33) - 33)
+    zfold = False
+    if narrow:
+        real = slice(0, s.f)
+        high = ((acc_bound + int(np.max(np.abs(bias_c[real])))) * int(np.max(m0_c[real]))
+                + 512 * int(np.max(m1_c[real]))) >> 32
+        lift = [int(r) + (abs(int(zout)) << int(sh - 32)) for r, sh in
+                zip(round32[real], shift_c[real], strict=True)]
+        zfold = high + 1 + max(lift) < 2**31
+        if zfold:
+            round32 = round32 + np.int64(zout) * np.left_shift(np.int64(1), shift_c - 32)
     h = np.zeros(HEADER, np.int64)
-    h[:29] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+    h[:30] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
               int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride, s.chunk,
               *s.out_pad, s.out_fill, int(narrow), res_zp, int(signed), int(clamp_lo),
-              int(clamp_hi)]
+              int(clamp_hi), int(zfold)]
     # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
     # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
-    # rounding term 2^(s-33); s - 32. Zeros where the wide epilogue runs
+    # rounding term 2^(s-33) (+ zp · 2^(s-32) where it folds); s - 32. Zeros where the wide
+    # epilogue runs
     i32 = lambda v: v.astype(np.int32).view(np.int64)  # noqa: E731
     odd = lambda v: np.append(v[1:], 0)  # noqa: E731
     if narrow:
         tables = [i32(bias_c), i32(m0_c), i32(odd(m0_c)), i32(m1_c), i32(odd(m1_c)),
-                  i32(np.left_shift(1, np.maximum(shift_c, 33) - 33)),
-                  i32(np.maximum(shift_c, 32) - 32)]
+                  i32(round32), i32(np.maximum(shift_c, 32) - 32)]
     else:
         tables = [np.zeros(7 * fp // 2, np.int64)]
     return np.concatenate([h, bias_c, m0_c, m1_c, add, shift_c, *tables])

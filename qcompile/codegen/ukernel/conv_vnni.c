@@ -25,7 +25,7 @@
 enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
   H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
-  H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI,
+  H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD,
   HEADER = 32
 };
 
@@ -75,7 +75,7 @@ typedef struct {
   const int64_t* add;
   const int64_t* shift;
   int64_t zout, qmin, qmax;
-  int res, res_signed, narrow, sat_signed, clamp_lo, clamp_hi;
+  int res, res_signed, narrow, sat_signed, clamp_lo, clamp_hi, zfold;
   int32_t res_zp;
   // the narrow epilogue's tables (see store16_narrow)
   const int32_t* bias32;
@@ -141,7 +141,7 @@ INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_
   __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
   t = _mm512_add_epi32(t, _mm512_loadu_si512((const void*)(e->round32 + c)));
   t = _mm512_srav_epi32(t, _mm512_loadu_si512((const void*)(e->sh32 + c)));
-  t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)e->zout));
+  if (!e->zfold) t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)e->zout));
   if (e->clamp_lo) t = _mm512_max_epi32(t, _mm512_set1_epi32((int32_t)e->qmin));
   if (e->clamp_hi) t = _mm512_min_epi32(t, _mm512_set1_epi32((int32_t)e->qmax));
   if (e->sat_signed)
@@ -229,6 +229,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   e.res_zp = (int32_t)h[H_RES_ZP];
   e.sat_signed = (int)h[H_SIGNED];
   e.clamp_lo = (int)h[H_CLAMP_LO]; e.clamp_hi = (int)h[H_CLAMP_HI];
+  e.zfold = (int)h[H_ZFOLD];        // the output zero point is in round32
   const int64_t* nt = per + 5 * fp;        // the narrow tables (pack_params)
   e.bias32 = (const int32_t*)nt;
   e.m0_32 = e.bias32 + fp;
