@@ -11,7 +11,7 @@ activation zero point folded into the bias (see :mod:`qcompile.codegen.emit_cont
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,21 +225,31 @@ def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
     rounding = per_channel(tuple(1 << (s - 1) for s in rq.shift), 64, rq.axis)
 
     def body(*args: ir.Value) -> ir.Value:
-        total = None
-        for x, t, term, bias, mult in zip(args, tvs, rq.terms, biases, mults, strict=False):
-            x64 = b.widen(x, t.dtype, 64)
-            if bias is not None:
-                x64 = arith.addi(x64, bias())
-            if term.zero_point:
-                x64 = arith.subi(x64, b.ci(term.zero_point, 64))
-            prod = arith.muli(x64, mult())
-            total = prod if total is None else arith.addi(total, prod)
-        assert total is not None
+        total = _term_sum(args, tvs, rq, biases, mults, 64)
         rounded = arith.shrsi(arith.addi(total, rounding()), shift())
         out = b.clamp_int(arith.addi(rounded, b.ci(rq.zp_out, 64)), rq.qmin, rq.qmax, 64)
         return arith.trunci(b.int_type(8), out)
 
     return b.elementwise(tvs, n.shape, n.dtype, body)
+
+
+def _term_sum(args: Sequence[ir.Value], tvs: list[TV], rq: Requant, biases: list, mults: list,
+              bits: int) -> ir.Value:
+    """``sum (x_i + bias_i - z_i) * M_i`` in i64, each centred term formed in ``bits``: 64, or 32
+    with both factors sign-extended, an i32 x i32 -> i64 product (``vpmuldq``)."""
+    i64 = b.int_type(64)
+    total = None
+    for x, t, term, bias, mult in zip(args, tvs, rq.terms, biases, mults, strict=False):
+        xc = b.widen(x, t.dtype, bits)
+        if bias is not None:
+            xc = arith.addi(xc, bias())
+        if term.zero_point:
+            xc = arith.subi(xc, b.ci(term.zero_point, bits))
+        prod = arith.muli(xc, mult()) if bits == 64 else \
+            arith.muli(arith.extsi(i64, xc), arith.extsi(i64, mult()))
+        total = prod if total is None else arith.addi(total, prod)
+    assert total is not None
+    return total
 
 
 def anchor_bound(n: Node) -> int | None:
@@ -291,19 +301,8 @@ def _requant_narrow(n: Node, v: list[Value], tvs: list[TV]) -> TV:
     mults = [per_channel(t.multiplier, 32, rq.axis) for t in rq.terms]
     shift = per_channel(tuple(s - 32 for s in rq.shift), 32, rq.axis)
     rounding = per_channel(tuple(1 << (s - 33) for s in rq.shift), 32, rq.axis)
-    i64 = b.int_type(64)
-
     def body(*args: ir.Value) -> ir.Value:
-        total = None
-        for x, t, term, bias, mult in zip(args, tvs, rq.terms, biases, mults, strict=False):
-            x32 = b.widen(x, t.dtype, 32)
-            if bias is not None:
-                x32 = arith.addi(x32, bias())
-            if term.zero_point:
-                x32 = arith.subi(x32, b.ci(term.zero_point, 32))
-            prod = arith.muli(arith.extsi(i64, x32), arith.extsi(i64, mult()))
-            total = prod if total is None else arith.addi(total, prod)
-        assert total is not None
+        total = _term_sum(args, tvs, rq, biases, mults, 32)
         high = arith.trunci(b.int_type(32), arith.shrsi(total, b.ci(32, 64)))
         rounded = arith.shrsi(arith.addi(high, rounding()), shift())
         out = b.clamp_int(arith.addi(rounded, b.ci(rq.zp_out, 32)), rq.qmin, rq.qmax, 32)
