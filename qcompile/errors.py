@@ -58,6 +58,10 @@ class InputError(QCompileError):
     """Run-time inputs do not match what the compiled model accepts."""
 
 
+class ConfigError(QCompileError):
+    """An environment setting qcompile reads (``QCOMPILE_THREADS``, ...) is malformed."""
+
+
 class AccuracyError(QCompileError):
     """An accuracy threshold failed (raised by ``check``; exit code 1)."""
 

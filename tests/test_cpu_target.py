@@ -228,6 +228,20 @@ def test_shard_size__even_shards_of_at_least_four():
     assert cpu.shard_size(12, 3) == 4
 
 
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+def test_threads_env__malformed_is_a_clear_error(monkeypatch, value):
+    from qcompile.errors import ConfigError
+
+    monkeypatch.setenv("QCOMPILE_THREADS", value)
+    with pytest.raises(ConfigError, match="QCOMPILE_THREADS") as err:
+        cpu.threads()
+    assert err.value.next and "unset" in err.value.next
+    monkeypatch.setenv("QCOMPILE_THREADS", " 3 ")
+    assert cpu.threads() == 3
+    monkeypatch.delenv("QCOMPILE_THREADS")
+    assert cpu.threads() == torch.get_num_threads()
+
+
 def test_data_parallel_shards__same_outputs_as_one_module(monkeypatch):
     """Batch 8 on 2 threads runs as two shards of 4 (compiled for that), each on its own
     local-sync context, and gives the batch-8 module's outputs; other batches run in pieces."""

@@ -69,9 +69,16 @@ def threads() -> int:
     """Threads qcompile's ``cpu`` target uses: ``QCOMPILE_THREADS``, else torch's intra-op
     thread count (what the benchmark gives every engine)."""
     env = os.environ.get("QCOMPILE_THREADS", "").strip()
-    if env.isdigit() and int(env) >= 1:
-        return int(env)
-    return max(1, torch.get_num_threads())
+    if not env:
+        return max(1, torch.get_num_threads())
+    if not env.isdigit() or int(env) < 1:
+        from qcompile.errors import ConfigError
+
+        raise ConfigError(f"QCOMPILE_THREADS={env!r} is not a thread count",
+                          at="environment variable QCOMPILE_THREADS",
+                          why="it must be a whole number of threads, 1 or more",
+                          next="set it to e.g. 2, or unset it to use torch's thread count")
+    return int(env)
 
 
 def shard_size(batch: int, n_threads: int | None = None) -> int | None:
