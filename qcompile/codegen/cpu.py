@@ -147,10 +147,9 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
             got = iree_cpu.try_compile(text, flags)
             if isinstance(got, bytes):
                 chains = [c for c in calls if c.quantize is None]
-                locs = [loc for c in chains for loc in (c.members or (c.loc,))]
+                locs = [loc for c in chains for loc in c.locs]
                 info = {"chains": len(locs), "lowered": locs, "stock": stock,
-                        "narrow_epilogue": sum(len(c.members or (c.loc,)) for c in chains
-                                               if c.narrow),
+                        "narrow_epilogue": sum(len(c.locs) for c in chains if c.narrow),
                         "input_quantize": len(calls) - len(chains),
                         "shared_input_dispatches": sum(c.multi is not None for c in chains)}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
@@ -210,8 +209,8 @@ class CpuRunner:
         mod = self.modules[size]
         if k is None or k not in self.modules or mod.driver != "local-task":
             return mod.module()(*xs)
-        shard = self.modules[k]
-        futures = [_pool(size // k).submit(shard.inline(i), *[x[i * k:(i + 1) * k] for x in xs])
+        shard, pool = self.modules[k], _pool(size // k)
+        futures = [pool.submit(shard.inline(i), *[x[i * k:(i + 1) * k] for x in xs])
                    for i in range(size // k)]
         parts = [f.result() for f in futures]
         return [np.concatenate(p) for p in zip(*parts, strict=True)]

@@ -61,6 +61,11 @@ class UkCall:
     multi: tuple[int, int] | None = None    # linears sharing their input: (blocks, output size)
     members: tuple[str | None, ...] = ()    # their locations (one chain each)
 
+    @property
+    def locs(self) -> tuple[str | None, ...]:
+        """The source locations of the chains this call computes."""
+        return self.members or (self.loc,)
+
 
 def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
     """``None`` when the chain ``conv → requant`` (a conv, or a linear as a 1×1 conv) maps onto
@@ -163,10 +168,9 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
         cp = ukernel.padded_channels(c)
         pre = prepadded(em, conv, (ph, pw))
-        qin = _input_quantize(em, conv) if pre is None else None
         if pre is not None and cp == c:
             xp = pre
-        elif qin is not None and cp == 4:
+        elif (qin := _input_quantize(em, conv)) is not None:
             xp = _emit_input_quantize(em, conv, qin, (ph, pw))
         else:
             with em.loc(conv, ".copy"):
@@ -222,8 +226,7 @@ def _emit_linear_group(em: Emitter, lins: tuple[Node, ...], x: TV, zp: int) -> N
         s = replace(s0, f=nn)
         bias = folded_bias(np.asarray(lin.src[2].attrs.value), w, zp, lin) - \
             rq.terms[0].zero_point
-        pw = ukernel.pack_weights(np.pad(w, ((0, 0), (0, s.c - w.shape[1]))).reshape(
-            nn, 1, 1, s.c))
+        pw = ukernel.pack_weights(w.reshape(nn, 1, 1, -1))
         pp = ukernel.pack_params(s, bias, np.asarray(rq.terms[0].multiplier, np.int64),
                                  np.asarray(rq.shift), rq.zp_out, rq.qmin, rq.qmax)
         directory += [blocks, head + p_off, w_off, o_off]

@@ -218,9 +218,7 @@ def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
                                                else x) for i, x in enumerate(v)]
     if narrow_requant(n, v):
         return _requant_narrow(n, v, tvs)
-    biases = [per_channel(x.bias, 64, x.axis) if isinstance(x, Acc) and x.bias is not None
-              else None for x in v]
-    mults = [per_channel(t.multiplier, 64, rq.axis) for t in rq.terms]
+    biases, mults = _term_tables(v, rq, 64)
     shift = per_channel(rq.shift, 64, rq.axis)
     rounding = per_channel(tuple(1 << (s - 1) for s in rq.shift), 64, rq.axis)
 
@@ -231,6 +229,13 @@ def _requant(em: Emitter, n: Node, v: list[Value]) -> Value:
         return arith.trunci(b.int_type(8), out)
 
     return b.elementwise(tvs, n.shape, n.dtype, body)
+
+
+def _term_tables(v: list[Value], rq: Requant, bits: int) -> tuple[list, list]:
+    """Body-time getters of each term's bias (an accumulator's, else None) and multiplier."""
+    biases = [per_channel(x.bias, bits, x.axis) if isinstance(x, Acc) and x.bias is not None
+              else None for x in v]
+    return biases, [per_channel(t.multiplier, bits, rq.axis) for t in rq.terms]
 
 
 def _term_sum(args: Sequence[ir.Value], tvs: list[TV], rq: Requant, biases: list, mults: list,
@@ -296,9 +301,7 @@ def narrow_requant(n: Node, v: list[Value]) -> bool:
 
 def _requant_narrow(n: Node, v: list[Value], tvs: list[TV]) -> TV:
     rq: Requant = n.attrs.rq
-    biases = [per_channel(x.bias, 32, x.axis) if isinstance(x, Acc) and x.bias is not None
-              else None for x in v]
-    mults = [per_channel(t.multiplier, 32, rq.axis) for t in rq.terms]
+    biases, mults = _term_tables(v, rq, 32)
     shift = per_channel(tuple(s - 32 for s in rq.shift), 32, rq.axis)
     rounding = per_channel(tuple(1 << (s - 33) for s in rq.shift), 32, rq.axis)
     def body(*args: ir.Value) -> ir.Value:
