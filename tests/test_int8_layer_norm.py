@@ -142,16 +142,24 @@ def test_int8_layer_norm_pass__float_result_computed_in_integers(ret):
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max() + 1)
 
 
-@pytest.mark.parametrize("case", ["per-channel-input", "computed-gain"])
-def test_int8_layer_norm_pass__must_not_fire(case):
-    if case == "per-channel-input":
-        text = _ln_graph(qx="qp(u8, s=(0.1, 0.2, 0.3), zp=(0, 0, 0), range=(0, 255), axis=1)")
-    else:
-        text = _ln_graph(w="relu(%b)")
-        text = text.replace("  %w = relu(%b) : f32[4]\n", "").replace(
-            "  %y =", "  %w = relu(%b) : f32[4]\n  %y =")
+def test_int8_layer_norm_pass__must_not_fire_on_a_computed_gain():
+    text = _ln_graph(w="relu(%b)")
+    text = text.replace("  %w = relu(%b) : f32[4]\n", "").replace(
+        "  %y =", "  %w = relu(%b) : f32[4]\n  %y =")
     _, fired = Int8LayerNorm().run(parse_graph(text))
     assert fired == 0
+
+
+def test_int8_layer_norm_pass__per_channel_input_normalizes_the_float_values():
+    before = parse_graph(_ln_graph(
+        qx="qp(u8, s=(0.1, 0.2, 0.3), zp=(0, 0, 0), range=(0, 255), axis=1)"))
+    g, fired = Int8LayerNorm().run(before)
+    verify(g, stage="int8-layer-norm")
+    text = print_graph(g)
+    assert fired == 1 and "qlayernorm(%0)" in text and "code_bits=" in text
+    codes = np.random.default_rng(0).integers(0, 256, (2, 3, 4)).astype(np.uint8)
+    got, want = interpreter.run(g, codes)[0], interpreter.run(before, codes)[0]
+    assert np.abs(got.astype(np.int64) - want).max() <= 1
 
 
 def _qln_graph(dtype: DType, scale: float, zp: int, n: int, rows: int) -> Graph:
@@ -269,3 +277,103 @@ def test_weight_only_layer_norm__keeps_its_weight():
     x = batches[1][0]
     got, want = interpreter.run(r.graph, x.numpy())[0], q(x).numpy()
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+# -- the layer norm of a float input, in integers ---------------------------------------------
+
+def _float_rows(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """Rows as a float residual stream has them: small features, one outlier channel, and the
+    edge cases: a zero row, a tiny row, a constant row, a row far below eps, a huge row."""
+    x = (rng.standard_normal((rows, n)) * 0.5).astype(np.float32)
+    x[:, 7] = (190.0 * rng.standard_normal(rows)).astype(np.float32)
+    x[1] = 0.0
+    x[2] = np.float32(1e-30)
+    x[3] = np.float32(3.0)
+    x[4] = (1e-7 * rng.standard_normal(n)).astype(np.float32)
+    x[5] = (3e37 * rng.standard_normal(n)).astype(np.float32)
+    x[6, ::2] = np.float32(2.0**16)                  # codes at +-2^CB exactly
+    x[6, 1::2] = np.float32(-(2.0**16))
+    return x
+
+
+def _fln_graph(n: int, rows: int, eps: float = 1e-12) -> Graph:
+    """The float-input layer norm to int8 and to float, both as outputs."""
+    rng = np.random.default_rng(5)
+    gamma, beta = _affine(rng, n)
+    a = node(Op.INPUT, DType.F32, (rows, n), name="a")
+    cb, k_max, e, es, g, b, sh = qmath.layernorm_float_params(n, eps, gamma, beta, OUT.s)
+    y = node(Op.QLAYERNORM, DType.U8, (rows, n), a, code_bits=cb, k_max=k_max, e=e, e_shift=es,
+             g=g, b=b, sh=sh, zp=OUT.zp, range=(3, 250))
+    cb, k_max, e, es, g, b, sh = qmath.layernorm_float_params(n, eps, gamma, beta, 1.0)
+    f = node(Op.QLAYERNORM, DType.F32, (rows, n), a, code_bits=cb, k_max=k_max, e=e,
+             e_shift=es, g=g, b=b, sh=sh)
+    return Graph("fln", (a,), (y, f))
+
+
+FLOAT_CASES = [(384, 12, 1e-12), (64, 8, 1e-5), (qmath.LN_MAX_N, 8, 0.0)]
+
+
+@pytest.mark.parametrize(("n", "rows", "eps"), FLOAT_CASES)
+def test_layernorm_fixed_float__close_to_torch(n, rows, eps):
+    rng = np.random.default_rng(4)
+    x = _float_rows(rng, rows, n)
+    gamma, beta = _affine(rng, n)
+    cb, k_max, e, es, g, b, sh = qmath.layernorm_float_params(n, eps, gamma, beta, 1.0)
+    got = qmath.layernorm_float(qmath.layernorm_fixed_float(x, cb, k_max, e, es, g, b), sh)
+    want = torch.nn.functional.layer_norm(torch.from_numpy(x).double(), (n,),
+                                          torch.from_numpy(gamma), torch.from_numpy(beta),
+                                          eps).numpy()
+    if eps == 0.0:                       # torch: 0/0 on the constant rows; here: beta
+        want[[1, 2, 3]] = beta
+    # |c| <= 2^CB codes: each value within 2^-CB of the row's largest before normalization
+    tol = 4.0 * 2.0**-cb * np.sqrt(n) * np.abs(gamma).max() + 1e-6
+    assert np.abs(got - want).max() < tol
+
+
+@pytest.mark.parametrize(("n", "rows", "eps"), FLOAT_CASES)
+def test_qlayernorm_float_input__cpu_and_ort_equal_the_reference_bit_for_bit(n, rows, eps):
+    graph = _fln_graph(n, rows, eps)
+    verify(graph, stage="test")
+    x = _float_rows(np.random.default_rng(6), rows, n)
+    want = interpreter.run(graph, x)
+    for got, w in zip(cpu.compile_graph(graph, rows).module()(x), want, strict=True):
+        np.testing.assert_array_equal(got.view(w.dtype), w)
+    ort, _ = build_ort({rows: graph}, threads=1)
+    for got, w in zip(ort.run_numpy(x), want, strict=True):
+        np.testing.assert_array_equal(got, w)
+
+
+@pytest.mark.parametrize(("n", "rows", "eps"), FLOAT_CASES)
+def test_qlayernorm_float_input__triton_kernel_equals_the_reference(n, rows, eps):
+    pytest.importorskip("triton")
+    from qcompile.codegen.triton import loader
+    from qcompile.codegen.triton.lower import lower_graph
+
+    graph = _fln_graph(n, rows, eps)
+    x = _float_rows(np.random.default_rng(6), rows, n)
+    program = lower_graph(graph, loader.kernels(True), torch.device("cpu"))
+    assert [s.launch.kernel for s in program.launches()] == ["qlayernorm"] * 2
+    for got, w in zip(program.run_numpy(x), interpreter.run(graph, x), strict=True):
+        np.testing.assert_array_equal(got, w)
+
+
+def test_qlayernorm_float_input__kernel_compiles_for_sm90():
+    pytest.importorskip("triton")
+    from qcompile.codegen.triton import aot, loader
+    from qcompile.codegen.triton.lower import lower_graph
+
+    program = lower_graph(_fln_graph(384, 8), loader.kernels(False), torch.device("cpu"))
+    for step in program.launches():
+        assert ".entry" in aot.compile_step(step, 90).ptx
+
+
+@pytest.mark.parametrize(("attr", "value"), [("code_bits", 30), ("k_max", 127), ("e", 2**42)])
+def test_qlayernorm_float_input__verifier_refuses_overflowing_parameters(attr, value):
+    from qcompile.ir.verify import VerifyError
+
+    good = _fln_graph(384, 2)
+    y = good.outputs[1]
+    bad = node(Op.QLAYERNORM, DType.F32, y.shape, y.src[0], **{**dict(y.attrs), attr: value})
+    verify(good, stage="test")
+    with pytest.raises(VerifyError, match="qlayernorm on f32"):
+        verify(Graph("bad", good.inputs, (bad,)), stage="test")

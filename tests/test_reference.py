@@ -31,6 +31,29 @@ def test_requantize_rounds_half_up_and_clamps():
     np.testing.assert_array_equal(got, [11, 12, 10, 9, 255, 0])
 
 
+def test_dequantize__pt2e_value_on_int8_codes_and_immune_to_fma_contraction():
+    rng = np.random.default_rng(0)
+    scales = np.concatenate([rng.uniform(1e-6, 4.0, 64), [2.0**-100, 0.1, 2.0**40]])
+    qp = QParams(DType.I32, tuple(scales.astype(np.float32)), (3,) * scales.size, -(2**31),
+                 2**31 - 1, axis=1)
+    codes = rng.integers(-256, 256, (7, scales.size))
+    got = qmath.dequantize_array(codes, qp)
+    pt2e = (codes - 3).astype(np.float32) * scales.astype(np.float32)
+    np.testing.assert_array_equal(got, pt2e)          # |q - zp| < 2^24: PT2E's float exactly
+    # what a contracted multiply-add computes, fma(t, 2^-sh, x), rounds once; with an exact
+    # product that is round(t * 2^-sh + x) = round(dequant + x), the reference's value
+    m, p = qmath.scale_fixed(scales)
+    acc = rng.integers(-(2**31), 2**31, (7, scales.size))
+    t = ((acc - 3) * m).astype(np.float32)
+    x = rng.standard_normal((7, scales.size)).astype(np.float32)
+    fused = (t.astype(np.float64) * p.astype(np.float64) + x).astype(np.float32)  # t*p exact
+    separate = qmath.dequantize_array(acc, qp) + x
+    finite = np.isfinite(separate)
+    np.testing.assert_array_equal(fused[finite], separate[finite])
+    with pytest.raises(ValueError, match="outside"):
+        qmath.scale_fixed(np.array([1e-35]))
+
+
 def test_requantize_shared_shift_for_two_terms():
     out = QParams(DType.I8, (0.1,), (0,), -128, 127)
     rq = qmath.make_requant([[0.05 / 0.1], [0.2 / 0.1]], [0, 5], out, axis=None)

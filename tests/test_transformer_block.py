@@ -107,3 +107,52 @@ def test_encoder__triton_kernels_equal_the_reference_bit_for_bit(encoder):
     want = interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy())
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.fixture(scope="module")
+def float_stream_encoder():
+    """The encoder quantized as MiniLM is: the residual stream (the sums before each layer norm
+    and the layer norms' results) stays float."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [_batch(g) for _ in range(4)]
+    with torch.no_grad():                          # an outlier feature, as real checkpoints have
+        for b in batches:
+            b[0][..., 3] *= 40.0
+    config = QuantizeConfig(quantizer="qcompile", float_residual_stream=True)
+    q = quantize(Encoder().eval(), batches[0], batches, config)
+    return q, batches[1]
+
+
+def test_float_residual_stream__layer_norms_in_integers_on_float_rows(float_stream_encoder):
+    q, (x, mask) = float_stream_encoder
+    lowered = lower(q, BATCH)
+    norms = [n for n in lowered.graph.nodes() if n.op is Op.QLAYERNORM]
+    assert len(norms) == 2 * LAYERS and all("code_bits" in n.attrs for n in norms)
+    assert not [n for n in lowered.graph.nodes() if n.op is Op.LAYER_NORM]
+    got = interpreter.run(lowered.graph, x.numpy(), mask.numpy())[0]
+    want = q(x, mask).numpy()
+    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert cos.min() > 0.99
+
+
+def test_float_residual_stream__cpu_ort_and_triton_equal_the_reference(float_stream_encoder):
+    q, (x, mask) = float_stream_encoder
+    want = interpreter.run(lower(q, BATCH).graph, x.numpy(), mask.numpy())
+    cpu = compile_cpu(q, CompileOptions(batch_sizes=(BATCH,), analyze=False))
+    for got, w in zip(cpu.runner.modules[BATCH].module()(x.numpy(), mask.numpy()), want,
+                      strict=True):
+        np.testing.assert_array_equal(got.view(w.dtype), w)
+    ort, _ = build_ort({BATCH: lower(q, BATCH).graph}, threads=1)
+    for got, w in zip(ort.run_numpy(x.numpy(), mask.numpy()), want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    pytest.importorskip("triton")
+    from qcompile.codegen.triton.target import CudaOptions, compile_cuda
+
+    model = compile_cuda(q, CompileOptions(batch_sizes=(BATCH,), analyze=False),
+                         CudaOptions(interpret=True))
+    assert "qlayernorm" not in [h["op"] for h in model.report["kernels"]["host_ops"]]
+    got = model.runner.programs[BATCH].run_numpy(x.numpy(), mask.numpy())
+    for g, w in zip(got, interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy()),
+                    strict=True):
+        np.testing.assert_array_equal(g, w)

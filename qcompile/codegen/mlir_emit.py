@@ -21,6 +21,7 @@ from iree.compiler.dialects import arith, func, math
 from qcompile.codegen import builder as b
 from qcompile.codegen.builder import TV
 from qcompile.errors import CompileError
+from qcompile.ir import qmath
 from qcompile.ir.graph import ANCHOR_OPS, Graph, Node, Op
 from qcompile.ir.types import DType, Requant
 
@@ -345,7 +346,7 @@ def _f32_channel(values: np.ndarray, axis: int | None) -> Callable[[], ir.Value]
 
 @emits(Op.DEQUANT)
 def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
-    """``f32(x + bias - zp) * s[c]``."""
+    """``f32((x + bias - zp) * m[c]) * 2^-sh[c]`` (``qmath.dequantize_array``)."""
     qp = n.attrs.qp
     src = v[0]
     # a dequantize that feeds a float island (not just a graph output) is fenced from its GEMM:
@@ -359,16 +360,20 @@ def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
     bias = per_channel(src.bias, 32, src.axis) if isinstance(src, Acc) and \
         src.bias is not None else None
     zps = np.asarray(qp.zero_point)
-    zp = per_channel(qp.zero_point, 32, qp.axis) if np.any(zps) else None
-    scale = _f32_channel(np.asarray(qp.scale, dtype=np.float32), qp.axis)
+    zp = per_channel(qp.zero_point, 64, qp.axis) if np.any(zps) else None
+    m_values, p_values = qmath.scale_fixed(np.asarray(qp.scale))
+    m = per_channel(m_values, 64, qp.axis)
+    power = _f32_channel(p_values, qp.axis)
 
     def body(a: ir.Value, _o: ir.Value) -> ir.Value:
-        a32 = b.widen(a, x.dtype, 32)
+        a64 = b.widen(a, x.dtype, 64)
         if bias is not None:
-            a32 = arith.addi(a32, bias())
+            a64 = arith.addi(a64, arith.extsi(b.int_type(64), bias()))
         if zp is not None:
-            a32 = arith.subi(a32, zp())
-        return arith.mulf(arith.sitofp(ir.F32Type.get(), a32), scale())
+            a64 = arith.subi(a64, zp())
+        # qmath.dequantize_array: an exact product by a power of two, so an add that LLVM
+        # contracts with it into a fused multiply-add rounds the same
+        return arith.mulf(arith.sitofp(ir.F32Type.get(), arith.muli(a64, m())), power())
 
     return b.elementwise([x], n.shape, DType.F32, body)
 

@@ -63,7 +63,8 @@ class Op(Enum):
     QSOFTMAX = "qsoftmax"           # x_q -> i8/u8 softmax on codes (qmath); attrs: axis, table
                                     # (i64 exp table), m (output multiplier), zp, range
     QLAYERNORM = "qlayernorm"       # x_q -> i8/u8 layer norm over the last axis on codes (qmath);
-                                    # attrs: x_zp, e, g, b, sh (i64 per channel), zp, range
+                                    # attrs: x_zp, e, g, b, sh (i64 per channel), zp, range; or
+                                    # x f32 (codes per row): code_bits, k_max, e, e_shift, g, b, sh
     MASK_LUT = "mask_lut"           # (x_q, m integer, broadcast) -> i8/u8 = table[clamp(m,-1,2)+1]
                                     # [x - lo]; attrs: table (i64 [4, 256])
 

@@ -111,10 +111,26 @@ def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
     return np.clip(q, qp.qmin, qp.qmax).astype(qp.dtype.np)
 
 
+def scale_fixed(scale: np.ndarray | Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(m, p)`` with ``float32(scale) = m * p`` exactly: ``m`` the 24-bit integer significand
+    (i64), ``p = 2^-sh`` (float32). Scales must lie in ``[2^-100, 2^100]``."""
+    s32 = np.asarray(scale, np.float32)
+    if np.any(~(np.abs(s32) >= 2.0**-100)) or np.any(np.abs(s32) > 2.0**100):
+        raise ValueError(f"dequantize scale outside [2^-100, 2^100]: {s32}")
+    frac, exp = np.frexp(s32.astype(np.float64))        # s = frac * 2^exp, frac in [0.5, 1)
+    m = np.ldexp(frac, 24).astype(np.int64)              # exact: float32 has 24 bits
+    return m, np.ldexp(np.float32(1.0), exp - 24).astype(np.float32)
+
+
 def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
+    """``float32((q - zp) * m) * 2^-sh`` with ``scale = m * 2^-sh`` (:func:`scale_fixed`): the
+    one rounding is the integer product's conversion, the power of two is exact. It equals
+    PT2E's ``float32(q - zp) * scale`` wherever ``q - zp`` fits 24 bits (int8 codes), and an
+    addition that reads it gives the same float whether or not a compiler contracts the two into
+    a fused multiply-add (the product is exact)."""
     scale, zp = broadcast_qparams(qp, np.ndim(q))
-    return ((np.asarray(q, dtype=np.int64) - zp).astype(np.float32)
-            * scale.astype(np.float32)).astype(np.float32)
+    m, p = scale_fixed(scale)
+    return ((np.asarray(q, dtype=np.int64) - zp) * m).astype(np.float32) * p
 
 
 def broadcast_qparams(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -205,13 +221,23 @@ def layernorm_params(x: QParams, n: int, eps: float, gamma: np.ndarray, beta: np
     """``(E, G, B, SH)`` of the int8 layer norm above (``out_scale`` 1.0 for a float result), or
     ``None`` where its integers could overflow (rows longer than ``LN_MAX_N``, an ``eps`` huge
     against ``s_x``, non-finite affine parameters)."""
-    gamma = np.asarray(gamma, np.float64).reshape(-1)
-    beta = np.asarray(beta, np.float64).reshape(-1)
-    if n > LN_MAX_N or not (np.all(np.isfinite(gamma)) and np.all(np.isfinite(beta))):
+    if n > LN_MAX_N:
         return None
     e = round(eps * n * n * 2.0**LN_ROOT_SHIFT / float(x.scale[0]) ** 2)
     span = x.dtype.range[1] - x.dtype.range[0]
     if e >= LN_MAX_ROOT_ARG or (n * n * span * span // 4 << LN_ROOT_SHIFT) + e >= LN_MAX_ROOT_ARG:
+        return None
+    affine = _layernorm_affine(gamma, beta, out_scale)
+    return None if affine is None else (e, *affine)
+
+
+def _layernorm_affine(gamma: np.ndarray, beta: np.ndarray, out_scale: float
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(G, B, SH)``: gamma and beta over ``out_scale`` as fixed point (``None`` where they
+    are not finite or too large for i64)."""
+    gamma = np.asarray(gamma, np.float64).reshape(-1)
+    beta = np.asarray(beta, np.float64).reshape(-1)
+    if not (np.all(np.isfinite(gamma)) and np.all(np.isfinite(beta))):
         return None
     g_real, b_real = gamma / out_scale, beta / out_scale
     # SH: G gets 31 significant bits unless B would then pass 2^61 (or SH pass MAX_SHIFT)
@@ -222,7 +248,66 @@ def layernorm_params(x: QParams, n: int, eps: float, gamma: np.ndarray, beta: np
         return None
     g = np.round(g_real * np.exp2(sh - LN_Z_FRAC)).astype(np.int64)
     b = np.round(b_real * np.exp2(sh)).astype(np.int64)
-    return e, g, b, sh
+    return g, b, sh
+
+
+# The layer norm of a float32 row in integers (``QLAYERNORM`` on an f32 input, e.g. a residual
+# stream kept float). Layer norm does not change when its row is scaled, so each row becomes codes
+# of its own power-of-two scale, exactly:
+#   k = min(CB + 126 - exponent_bits(max |x|), K_MAX)    (max |x| < 2^(CB - k): |c| <= 2^CB)
+#   c = round_half_even(x * 2^k)                          (f32; the multiply is exact)
+# then the steps above with V not shifted (V <= n^2 4^CB <= 2^52 by the choice of the code bits
+# CB), E = eps * n^2 * 4^k for that row, and 2^48 / root, so z keeps 24 fraction bits:
+#   root = isqrt(V + E_row) (1 where 0);  R = (2^48 + root // 2) // root
+#   z = round_half_up((n*c - S1) * R, 24);  t = z * G[c] + B[c]    (G, B, SH as above)
+# eps * n^2 is held as e * 2^-e_shift (e in [2^40, 2^41]), so E_row = e * 2^(2k - e_shift),
+# floored. K_MAX (at most 126, so 2^k is a normal float32) keeps E_row <= 2^51: a row whose
+# largest value is below 2^(CB - K_MAX) has a variance far below eps, and its smaller codes still
+# resolve x / sqrt(var + eps) to 2^-18. Every step is exact integer arithmetic (the max, the
+# exponent and the power of two included), so every target returns the same result bit for bit.
+# A row holding inf or NaN has no defined result.
+LNF_R_BITS = 48
+LNF_Z_SHIFT = 24
+LNF_E_BITS = 40
+LNF_MAX_K = 126
+
+
+def layernorm_float_params(n: int, eps: float, gamma: np.ndarray, beta: np.ndarray,
+                           out_scale: float
+                           ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(CB, K_MAX, e, e_shift, G, B, SH)`` of the float-input layer norm above, or ``None``
+    (rows longer than ``LN_MAX_N``, affine parameters that do not fit)."""
+    if n > LN_MAX_N or not eps >= 0.0 or not math.isfinite(eps):
+        return None
+    code_bits = 26                                 # the most with n^2 4^CB <= 2^52
+    while n * n << (2 * code_bits) > 2**52:
+        code_bits -= 1
+    e, e_shift, k_max = 0, 0, LNF_MAX_K
+    if eps > 0.0:
+        _, exponent = math.frexp(eps * n * n)      # eps n^2 in [2^(exponent-1), 2^exponent)
+        e_shift = LNF_E_BITS + 1 - exponent
+        e = round(math.ldexp(eps * n * n, e_shift))
+        k_max = min(k_max, (e_shift + 10) // 2)    # e * 2^(2k - e_shift) <= 2^51
+    affine = _layernorm_affine(gamma, beta, out_scale)
+    return None if affine is None else (code_bits, k_max, e, e_shift, *affine)
+
+
+def layernorm_float_codes(x: np.ndarray, code_bits: int, k_max: int
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """``(c, k)`` of the float-input layer norm: each row's codes (i64) and its ``k`` (i64,
+    keepdims)."""
+    x = np.asarray(x, np.float32)
+    m = np.max(np.abs(x), axis=-1, keepdims=True)
+    exponent_bits = (m.view(np.int32) >> 23) & 0xFF
+    k = np.minimum(code_bits + 126 - exponent_bits, k_max).astype(np.int64)
+    power = ((k + 127) << 23).astype(np.int32).view(np.float32)
+    return np.rint(x * power).astype(np.int64), k
+
+
+def layernorm_row_eps(k: np.ndarray, e: int, e_shift: int) -> np.ndarray:
+    """``E_row = floor(e * 2^(2k - e_shift))`` (at most 2^51 for ``k <= K_MAX``)."""
+    d = 2 * np.asarray(k, np.int64) - e_shift
+    return np.where(d >= 0, np.int64(e) << np.maximum(d, 0), np.int64(e) >> np.minimum(-d, 63))
 
 
 def isqrt_rows(v: np.ndarray) -> np.ndarray:
@@ -235,13 +320,25 @@ def isqrt_rows(v: np.ndarray) -> np.ndarray:
 def layernorm_fixed(x: np.ndarray, zp_x: int, e: int, g: np.ndarray, b: np.ndarray
                     ) -> np.ndarray:
     """``t`` of the int8 layer norm above over the last axis of codes ``x`` (i64)."""
-    c = x.astype(np.int64) - zp_x
+    return _layernorm_t(x.astype(np.int64) - zp_x, e, g, b, LN_ROOT_SHIFT, LN_R_BITS,
+                        LN_Z_SHIFT)
+
+
+def layernorm_fixed_float(x: np.ndarray, code_bits: int, k_max: int, e: int, e_shift: int,
+                          g: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``t`` of the float-input layer norm above over the last axis of float32 ``x``."""
+    c, k = layernorm_float_codes(x, code_bits, k_max)
+    return _layernorm_t(c, layernorm_row_eps(k, e, e_shift), g, b, 0, LNF_R_BITS, LNF_Z_SHIFT)
+
+
+def _layernorm_t(c: np.ndarray, e: int | np.ndarray, g: np.ndarray, b: np.ndarray,
+                 root_shift: int, r_bits: int, z_shift: int) -> np.ndarray:
     n = c.shape[-1]
     s1 = c.sum(axis=-1, keepdims=True)
     s2 = (c * c).sum(axis=-1, keepdims=True)
-    root = np.maximum(isqrt_rows(((n * s2 - s1 * s1) << LN_ROOT_SHIFT) + e), 1)
-    r = ((np.int64(1) << LN_R_BITS) + (root >> 1)) // root
-    z = ((n * c - s1) * r + (1 << (LN_Z_SHIFT - 1))) >> LN_Z_SHIFT
+    root = np.maximum(isqrt_rows(((n * s2 - s1 * s1) << root_shift) + e), 1)
+    r = ((np.int64(1) << r_bits) + (root >> 1)) // root
+    z = ((n * c - s1) * r + (1 << (z_shift - 1))) >> z_shift
     return z * g + b
 
 

@@ -125,6 +125,12 @@ def _qlayernorm(n: Node) -> str | None:
         return "qlayernorm g, b or sh outside the bounds that keep its i64 arithmetic exact"
     if width > qmath.LN_MAX_N or not isinstance(a.get("e"), int) or a.e < 0:
         return f"qlayernorm needs rows of at most {qmath.LN_MAX_N} and an integer e >= 0"
+    if x.dtype is DType.F32:
+        problem = _qlayernorm_float_input(n)
+        if problem:
+            return problem
+    elif not x.dtype.is_int8:
+        return f"qlayernorm reads i8/u8 codes or f32 values, not {x.dtype.value}"
     if n.dtype is DType.F32:
         return None
     rng, zp = a.get("range"), a.get("zp")
@@ -132,6 +138,18 @@ def _qlayernorm(n: Node) -> str | None:
     if not (isinstance(rng, tuple) and len(rng) == 2 and isinstance(zp, int)
             and lo <= rng[0] <= rng[1] <= hi and lo <= zp <= hi):
         return "qlayernorm zp and range must lie in the result dtype's range"
+    return None
+
+
+def _qlayernorm_float_input(n: Node) -> str | None:
+    a, width = n.attrs, n.shape[-1]
+    keys = ("code_bits", "k_max", "e_shift")
+    if not all(isinstance(a.get(k), int) for k in keys):
+        return "qlayernorm on f32 needs integer code_bits, k_max and e_shift"
+    if width * width << (2 * a.code_bits) > 2**52 or not 0 < a.code_bits or \
+            not a.k_max <= qmath.LNF_MAX_K or a.e >= 2**41 + 1 or \
+            (a.e and 2 * a.k_max - a.e_shift + 41 > 51):
+        return "qlayernorm on f32: code_bits, k_max or e outside the bounds of exact i64 arithmetic"
     return None
 
 
@@ -207,7 +225,7 @@ RULES: dict[Op, tuple[Rule, ...]] = {
     Op.REQUANT: (lambda n: _arity(n, 1, 8), _requant),
     Op.LUT: (lambda n: _arity(n, 1), _lut),
     Op.QSOFTMAX: (lambda n: _arity(n, 1), lambda n: _int_src(n, 0), _qsoftmax),
-    Op.QLAYERNORM: (lambda n: _arity(n, 1), lambda n: _int_src(n, 0), _qlayernorm),
+    Op.QLAYERNORM: (lambda n: _arity(n, 1), _qlayernorm),
     Op.MASK_LUT: (lambda n: _arity(n, 2), lambda n: _int_src(n, 0), _mask_lut),
     **{op: (_same_dtype,) for op in DATA_MOVEMENT},
     Op.PERMUTE: (lambda n: _arity(n, 1), _same_dtype, _permute),

@@ -138,7 +138,10 @@ def _qsoftmax(n: Node, v: list[np.ndarray]) -> np.ndarray:
 @impl(Op.QLAYERNORM)
 def _qlayernorm(n: Node, v: list[np.ndarray]) -> np.ndarray:
     a = n.attrs
-    t = qmath.layernorm_fixed(v[0], a.x_zp, a.e, a.g, a.b)
+    if n.src[0].dtype is DType.F32:
+        t = qmath.layernorm_fixed_float(v[0], a.code_bits, a.k_max, a.e, a.e_shift, a.g, a.b)
+    else:
+        t = qmath.layernorm_fixed(v[0], a.x_zp, a.e, a.g, a.b)
     if n.dtype is DType.F32:
         return qmath.layernorm_float(t, a.sh)
     return qmath.layernorm_codes(t, a.sh, a.zp, a.range).astype(n.dtype.np)

@@ -15,7 +15,7 @@ from qcompile.codegen.ort.export import (
     zero_point,
 )
 from qcompile.ir import qmath
-from qcompile.ir.graph import Node, Op
+from qcompile.ir.graph import Attrs, Node, Op
 from qcompile.ir.types import DType
 
 
@@ -148,19 +148,23 @@ def _qlayernorm(ex: Exporter, n: Node, v: list[str]) -> str:
     floors."""
     a = n.attrs
     i64 = DType.I64
-    c = _centred(ex, v[0], a.x_zp, i64)
+    if n.src[0].dtype is DType.F32:
+        c, eps = _float_codes(ex, v[0], a)
+        root_shift, r_bits, z_shift = 0, qmath.LNF_R_BITS, qmath.LNF_Z_SHIFT
+    else:
+        c, eps = _centred(ex, v[0], a.x_zp, i64), ex.const(a.e, np.int64)
+        root_shift, r_bits, z_shift = qmath.LN_ROOT_SHIFT, qmath.LN_R_BITS, qmath.LN_Z_SHIFT
     axes = ex.const([-1], np.int64)
     s1 = ex.op("ReduceSum", [c, axes], keepdims=1)
     s2 = ex.op("ReduceSum", [ex.op("Mul", [c, c]), axes], keepdims=1)
     width = ex.const(n.shape[-1], np.int64)
     var = ex.op("Sub", [ex.op("Mul", [s2, width]), ex.op("Mul", [s1, s1])])
-    arg = ex.op("Add", [ex.op("Mul", [var, ex.const(1 << qmath.LN_ROOT_SHIFT, np.int64)]),
-                        ex.const(a.e, np.int64)])
+    arg = ex.op("Add", [ex.op("Mul", [var, ex.const(1 << root_shift, np.int64)]), eps])
     root = ex.op("Max", [_isqrt(ex, arg), ex.const(1, np.int64)])
     half = ex.op("Div", [root, ex.const(2, np.int64)])
-    recip = ex.op("Div", [ex.op("Add", [ex.const(1 << qmath.LN_R_BITS, np.int64), half]), root])
+    recip = ex.op("Div", [ex.op("Add", [ex.const(1 << r_bits, np.int64), half]), root])
     d = ex.op("Sub", [ex.op("Mul", [c, width]), s1])
-    z = _round_shift(ex, ex.op("Mul", [d, recip]), np.int64(qmath.LN_Z_SHIFT))
+    z = _round_shift(ex, ex.op("Mul", [d, recip]), np.int64(z_shift))
     y = ex.op("Add", [ex.op("Mul", [z, ex.const(np.asarray(a.g, np.int64))]),
                       ex.const(np.asarray(a.b, np.int64))])
     if n.dtype is DType.F32:       # float32(t) * 2^-SH: two exact roundings
@@ -169,6 +173,41 @@ def _qlayernorm(ex: Exporter, n: Node, v: list[str]) -> str:
     q = ex.op("Add", [_round_shift(ex, y, np.asarray(a.sh, np.int64)), ex.const(a.zp, np.int64)])
     q = ex.op("Clip", [q, ex.const(a.range[0], np.int64), ex.const(a.range[1], np.int64)])
     return ex.cast(q, n.dtype)
+
+
+def _float_codes(ex: Exporter, x: str, a: Attrs) -> tuple[str, str]:
+    """Codes (i64) and eps term per row of :func:`qmath.layernorm_float_codes` and
+    :func:`qmath.layernorm_row_eps`. ONNX cannot bitcast: the max's exponent bits are
+    ``floor(log2(max)) + 127``, a float64 log2 corrected by exact powers of two either side
+    (0 for a max below 2^-126, as its exponent bits are)."""
+    f64 = TensorProto.DOUBLE
+    m = ex.op("Cast", [ex.op("ReduceMax", [ex.op("Abs", [x])], axes=[-1], keepdims=1)], to=f64)
+    m = ex.op("Max", [m, ex.const(2.0**-200)])
+    two = ex.const(2.0)
+    est = ex.op("Floor", [ex.op("Div", [ex.op("Log", [m]), ex.const(np.log(2.0))])])
+    est = ex.op("Sub", [est, ex.op("Cast", [ex.op("Greater", [ex.op("Pow", [two, est]), m])],
+                                   to=f64)])
+    est_up = ex.op("Add", [est, ex.const(1.0)])
+    est = ex.op("Add", [est, ex.op("Cast", [ex.op("LessOrEqual",
+                                                  [ex.op("Pow", [two, est_up]), m])], to=f64)])
+    bits = ex.op("Max", [ex.op("Add", [ex.cast(est, DType.I64), ex.const(127, np.int64)]),
+                         ex.const(0, np.int64)])
+    k = ex.op("Min", [ex.op("Sub", [ex.const(a.code_bits + 126, np.int64), bits]),
+                      ex.const(a.k_max, np.int64)])
+    power = ex.op("Cast", [ex.op("Pow", [two, ex.op("Cast", [k], to=f64)])],
+                  to=TensorProto.FLOAT)
+    codes = ex.cast(ex.op("Round", [ex.op("Mul", [x, power])]), DType.I64)
+    d = ex.op("Sub", [ex.op("Mul", [k, ex.const(2, np.int64)]), ex.const(a.e_shift, np.int64)])
+    zero = ex.const(0, np.int64)
+    e = ex.const(np.uint64(a.e))
+
+    def shift(direction: str, by: str) -> str:
+        amount = ex.op("Cast", [by], to=TensorProto.UINT64)
+        return ex.cast(ex.op("BitShift", [e, amount], direction=direction), DType.I64)
+
+    up = shift("LEFT", ex.op("Max", [d, zero]))
+    down = shift("RIGHT", ex.op("Min", [ex.op("Neg", [d]), ex.const(63, np.int64)]))
+    return codes, ex.op("Where", [ex.op("GreaterOrEqual", [d, zero]), up, down])
 
 
 def _isqrt(ex: Exporter, v: str) -> str:
@@ -204,12 +243,14 @@ def _quant(ex: Exporter, n: Node, v: list[str]) -> str:
 
 @lowers(Op.DEQUANT)
 def _dequant(ex: Exporter, n: Node, v: list[str]) -> str:
-    """``float32(x - zp) * float32(scale)``, as :func:`qmath.dequantize_array`."""
+    """``float32((x - zp) * m) * 2^-sh``, as :func:`qmath.dequantize_array`."""
     scale, zp = qmath.broadcast_qparams(n.attrs.qp, len(n.shape))
+    m, power = qmath.scale_fixed(scale)
     x = ex.cast(v[0], DType.I64)
     if np.any(zp):
         x = ex.op("Sub", [x, ex.const(zp)])
-    return ex.op("Mul", [ex.cast(x, DType.F32), ex.const(scale.astype(np.float32))])
+    x = ex.op("Mul", [x, ex.const(m)])
+    return ex.op("Mul", [ex.cast(x, DType.F32), ex.const(power)])
 
 
 @lowers(Op.MAXPOOL2D)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from qcompile.ir import qmath
 from qcompile.ir.graph import Node, Op
 from qcompile.ir.types import Requant
 
@@ -24,7 +25,7 @@ EPI_I32, EPI_REQUANT, EPI_DEQUANT = 0, 1, 2     # the kernels' ``EPI`` constexpr
 class Epilogue:
     mode: int
     table: np.ndarray            # i64 [5, F]
-    scale: np.ndarray            # f32 [F]
+    scale: np.ndarray            # f32 [F]: 2^-sh of a dequantize's scale (m in table[1])
     residual: Node | None        # the second requantize term, read at the output's offsets
     zr: int
     zp_out: int
@@ -67,7 +68,8 @@ def epilogue(end: Node | None, shape: tuple[int, ...], axis: int | None,
         if zps is None or scales is None:
             return None
         table[0] -= zps
-        return Epilogue(EPI_DEQUANT, table, scales, None, 0, 0, 0, 0)
+        table[1], power = qmath.scale_fixed(scales)     # qmath.dequantize_array
+        return Epilogue(EPI_DEQUANT, table, power, None, 0, 0, 0, 0)
     assert end.op is Op.REQUANT
     rq: Requant = end.attrs.rq
     if len(rq.terms) > 2:

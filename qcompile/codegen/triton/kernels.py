@@ -10,13 +10,15 @@ row   meaning
 ====  =====================================================================================
 0     bias: the i32 bias with the zero-point terms folded in (minus the first term's zero
       point; for a dequantize, minus its zero point)
-1     multiplier of the first term (the accumulator)
+1     multiplier of the first term (the accumulator); for a dequantize, the scale's 24-bit
+      significand ``m``
 2     multiplier of the second term (the residual operand read from ``res``)
 3     rounding constant ``2^(shift-1)``
 4     shift
 ====  =====================================================================================
 
-and ``scale[F]`` (f32) for a dequantize. ``out = clamp(((v + bias) * M0 + (r - zr) * M1 + rnd)
+and ``scale[F]`` (f32, ``2^-sh``) for a dequantize, ``out = float32(v * m) * 2^-sh``
+(:func:`qcompile.ir.qmath.dequantize_array`). Otherwise ``out = clamp(((v + bias) * M0 + (r - zr) * M1 + rnd)
 >> shift + zp_out, qmin, qmax)`` in i64, exactly :func:`qcompile.ir.qmath.requantize`.
 
 Contractions run on int8 tensor cores: ``tl.dot(s8, s8, out_dtype=int32)``. u8 activations are
@@ -62,8 +64,9 @@ def _epilogue(v, chan, chan_ok, offs, mask, out, res, ep, scale, F, zr, zp_out, 
     v = v + tl.load(ep + chan, mask=chan_ok, other=0)
     if EPI == 0:
         tl.store(out + offs, v.to(tl.int32), mask=mask)
-    elif EPI == 2:
-        f = v.to(tl.float32) * tl.load(scale + chan, mask=chan_ok, other=0.0)
+    elif EPI == 2:                 # qmath.dequantize_array: (v * m) to f32, times 2^-sh
+        f = (v * tl.load(ep + F + chan, mask=chan_ok, other=0)).to(tl.float32) * \
+            tl.load(scale + chan, mask=chan_ok, other=0.0)
         tl.store(out + offs, f, mask=mask)
     else:
         total = v * tl.load(ep + F + chan, mask=chan_ok, other=0)
@@ -268,6 +271,15 @@ def requant_flat(x0, x1, out, ep, scale, n, za, zb, CH, CH_INNER, zr, zp_out, qm
 
 
 @triton.jit
+def _round_half_even(y):
+    """Round half to even, spelled out with floor (exact in f32)."""
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
 def quantize(x, out, inv, zp, n, CH, CH_INNER, qlo, qhi, BLOCK: tl.constexpr):
     """PT2E's quantize ``clamp(round_half_even(x * (1/s)) + zp)`` in f32. Rounding is spelled
     out with floor (exact in f32) so interpreter and GPU agree; launched without FMA
@@ -276,11 +288,7 @@ def quantize(x, out, inv, zp, n, CH, CH_INNER, qlo, qhi, BLOCK: tl.constexpr):
     ok = o < n
     chan = (o // CH_INNER) % CH
     y = tl.load(x + o, mask=ok, other=0.0) * tl.load(inv + chan, mask=ok, other=1.0)
-    f = tl.floor(y)
-    d = y - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-    r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
-    q = r + tl.load(zp + chan, mask=ok, other=0.0)
+    q = _round_half_even(y) + tl.load(zp + chan, mask=ok, other=0.0)
     q = tl.minimum(tl.maximum(q, qlo), qhi)
     tl.store(out + o, q.to(tl.int32).to(out.dtype.element_ty), mask=ok)
 
@@ -303,23 +311,36 @@ def qsoftmax(x, table, out, S, M2, ZP, QMIN, QMAX, LO: tl.constexpr, SHIFT: tl.c
 
 
 @triton.jit
-def qlayernorm(x, g, b, sh, scale, out, S, XZP, E, R_ONE, ZP, QMIN, QMAX,
+def qlayernorm(x, g, b, sh, scale, out, S, XZP, E, R_ONE, ZP, QMIN, QMAX, CB, K_MAX, E_SHIFT,
                ROOT_SHIFT: tl.constexpr, Z_SHIFT: tl.constexpr, MARGIN: tl.constexpr,
-               FLOAT_OUT: tl.constexpr, BLOCK: tl.constexpr):
-    """One row of ``S`` int8 codes per program: :func:`qcompile.ir.qmath.layernorm_fixed` in i64
-    (row sums, an exact integer square root from a float32 estimate, one divide, then the
-    fixed-point affine map per element), then int8 codes or (``FLOAT_OUT``) float32 times
-    ``scale`` = 2^-SH; ``R_ONE`` is 2^40."""
+               FLOAT_IN: tl.constexpr, FLOAT_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of ``S`` values per program: :func:`qcompile.ir.qmath.layernorm_fixed` on int8
+    codes, or (``FLOAT_IN``) :func:`qcompile.ir.qmath.layernorm_fixed_float` on float32 values
+    (codes of the row's power-of-two scale from the exponent bits of its max, and the row's eps
+    term), in i64: row sums, an exact integer square root from a float32 estimate, one divide,
+    then the fixed-point affine map per element; int8 codes or (``FLOAT_OUT``) float32 times
+    ``scale`` = 2^-SH. ``R_ONE`` is 2^40 (2^48 on float32 values)."""
     row = tl.program_id(0).to(tl.int64) * S
     col = tl.arange(0, BLOCK)
     ok = col < S
-    c = tl.where(ok, tl.load(x + row + col, mask=ok, other=0).to(tl.int64) - XZP, 0)
+    if FLOAT_IN:
+        xv = tl.load(x + row + col, mask=ok, other=0.0)
+        bits = (_max(tl.abs(xv), 0).to(tl.int32, bitcast=True) >> 23) & 255
+        k = tl.minimum(CB + 126 - bits, K_MAX)
+        power = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        c = tl.where(ok, _round_half_even(xv * power).to(tl.int64), 0)
+        d = 2 * k.to(tl.int64) - E_SHIFT
+        e0 = tl.full((), E, tl.int64)
+        eps = tl.where(d >= 0, e0 << tl.maximum(d, 0), e0 >> tl.minimum(-d, 63))
+    else:
+        c = tl.where(ok, tl.load(x + row + col, mask=ok, other=0).to(tl.int64) - XZP, 0)
+        eps = tl.full((), E, tl.int64)
     s1 = _sum(c, 0)
-    v = ((_sum(c * c, 0) * S - s1 * s1) << ROOT_SHIFT) + E
-    r = tl.sqrt(v.to(tl.float32)).to(tl.int64) + MARGIN
-    r = (r + v // r) >> 1                   # qmath.LN_NEWTON_STEPS Newton steps
-    r = (r + v // r) >> 1
-    r = (r + v // r) >> 1
+    v = ((_sum(c * c, 0) * S - s1 * s1) << ROOT_SHIFT) + eps
+    r = tl.sqrt(v.to(tl.float32)).to(tl.int64) + tl.where(v < 65536, 1, MARGIN)
+    r = tl.maximum((r + v // r) >> 1, 1)    # qmath.LN_NEWTON_STEPS Newton steps, never 0
+    r = tl.maximum((r + v // r) >> 1, 1)
+    r = tl.maximum((r + v // r) >> 1, 1)
     r = tl.maximum(tl.where(r * r > v, r - 1, r), 1)
     recip = (R_ONE + (r >> 1)) // r
     z = ((c * S - s1) * recip + (1 << (Z_SHIFT - 1))) >> Z_SHIFT
