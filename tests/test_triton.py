@@ -213,6 +213,24 @@ def test_zoo_cnn_at_batch_1__interpreted_kernels_equal_reference(name):
     assert model.report["kernels"]["host_ops"] == []
 
 
+@pytest.mark.slow
+def test_minilm__interpreted_kernels_equal_reference():
+    """Real MiniLM weights, its float residual stream and integer layer norms on it: the
+    kernels (layer norms on float rows, dequantize epilogues into the float stream, attention,
+    GELU tables) equal the reference; the float adds and the pooling stay on the host."""
+    z = zoo.build("minilm", seq_len=16)
+    reader = calibration.get_reader("sentences")
+    cal = list(reader.batches(z.spec, batch_size=8, num_batches=2, split="calibration"))
+    config = QuantizeConfig(quantizer="qcompile", float_residual_stream=True, method="minmax")
+    q = quantize(z.module, cal[0].inputs, [b.inputs for b in cal], config)
+    model = _compile(q, sizes=(2,))
+    assert "qlayernorm" not in [h["op"] for h in model.report["kernels"]["host_ops"]]
+    x = [t[:2].numpy() for t in cal[1].inputs]
+    got = model.runner.programs[2].run_numpy(*x)
+    for g, w in zip(got, interpreter.run(model.runner.graphs[2], *x), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
 # -- (b) ahead-of-time compile for sm_80 / sm_90, no GPU ---------------------------------------
 
 def _contraction_steps(graph: Graph):
