@@ -222,3 +222,24 @@ def test_pipeline_turns_linear_chain_integer_and_matches_pt2e_semantics():
     want = interpreter.run(g, x)[0]
     got = interpreter.run(result.graph, x)[0]
     assert np.max(np.abs(got - want)) <= 0.25 + 1e-6   # within one output step
+
+
+@pytest.mark.parametrize(("args", "shape"), [("(('%', 0), (1,))", "[2,4]"),
+                                              ("(('%', 0), (-2,), True)", "[2,1,4]")])
+def test_int8_data_movement__float_sum_of_int8_is_an_exact_integer_sum(args, shape):
+    text = f"""graph @s {{
+  %a = input() {{name='a'}} : u8[2,3,4]
+  %d = dequant(%a) {{qp=qp(u8, s=(0.1,), zp=(7,), range=(0, 255), axis=None)}} : f32[2,3,4]
+  %s = float_op(%d) {{args={args}, kwargs=(), target='aten.sum.dim_IntList'}} : f32{shape}
+  return %s
+}}"""
+    before = parse_graph(text)
+    g, fired = Int8DataMovement().run(before)
+    verify(g, stage="int8-data-movement")
+    out = print_graph(g)
+    assert fired == 1 and "qsum(%a)" in out and "float_op" not in out
+    codes = np.random.default_rng(0).integers(0, 256, (2, 3, 4)).astype(np.uint8)
+    got = interpreter.run(g, codes)[0]
+    want = ((codes.astype(np.int64) - 7) * np.float32(0.1)).sum(axis=1,
+                                                                keepdims="True" in args)
+    np.testing.assert_allclose(got, want, rtol=1e-6)

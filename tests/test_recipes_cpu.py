@@ -83,8 +83,9 @@ def test_minilm_recipe_on_cpu__bit_exact_with_its_float_residual_stream():
     assert cpu["status"] == "ok", cpu.get("reason")
     assert cpu["accuracy"]["passed"]
     # the residual stream stays float, but its layer norms run in integers (codes of each row's
-    # power-of-two scale) and its dequantizes are exact products by a power of two (so LLVM's
-    # multiply-add contraction changes nothing): the output is identical to the reference's
+    # power-of-two scale), its dequantizes are exact products by a power of two (so LLVM's
+    # multiply-add contraction changes nothing) and the pooling sums int8 values in i32: the
+    # output is identical to the reference's
     assert cpu["exactness"]["vs_reference"]["mismatched"] == 0
     assert cpu["passes"]["int8-layer-norm"] == 13
 
