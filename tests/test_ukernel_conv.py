@@ -103,12 +103,13 @@ def test_chain__ukernel_cpu_equals_reference_bit_for_bit(kind):
     _assert_bit_exact(model, x)                        # batch 1 and 4
     rep = model.report["compile"]["ukernel"]
     # Chain: stem (3 -> 8, 3x3), conv (8 -> 8, grouped in two kinds), mix (1x1, after the cat)
+    # and the classifier (linear -> dequantize: f32 logits out of the kernel)
     want = ["stem conv2d", *([] if kind in GROUPED else ["conv conv2d_1"]),
-            *(["mix conv2d_2"] if kind == "cat" else [])]
+            *(["mix conv2d_2"] if kind == "cat" else []), "fc linear"]
     assert rep["used"] and rep["chains"] == {"1": len(want), "4": len(want)}
     assert [loc.split(" ", 1)[1] for loc in rep["lowered"]] == want
-    assert rep["stock"] == {"linear: epilogue is dequant, not a requantize": 1,
-                           **({"conv: grouped or depthwise conv": 1} if kind in GROUPED else {})}
+    assert rep["float_epilogue"] == 1
+    assert rep["stock"] == ({"conv: grouped or depthwise conv": 1} if kind in GROUPED else {})
     assert model.report["compile"]["workarounds"] == {}
 
 
@@ -134,7 +135,7 @@ def test_chain_variants__ukernel_where_supported(config):
     want = interpreter.run(graph, x.numpy())
     if config.quantizer == "qcompile":
         np.testing.assert_array_equal(got[0], want[0])
-        assert rep["chains"] == {"1": 2, "4": 2}
+        assert rep["chains"] == {"1": 3, "4": 3}          # two convs and the f32 classifier
     else:
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
         assert any("not a requantize" in why for why in rep["stock"])
@@ -195,7 +196,7 @@ def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkey
     rep = model.report["compile"]["ukernel"]
     assert rep == {"used": False, "why": rep["why"], "chains": {"1": 0},
                    "lowered": [], "stock": {}, "narrow_epilogue": 0, "input_quantize": 0,
-                   "shared_input_dispatches": 0}
+                   "shared_input_dispatches": 0, "float_epilogue": 0, "float_residual_adds": 0}
     assert "no AVX-512 VNNI" in rep["why"]
     np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
         model.runner.modules[1].graph, x[:1].numpy())[0])
@@ -276,3 +277,43 @@ def test_linears_sharing_their_input__one_dispatch_bit_exact(x_dt, k, ns):
               for i in (x, r)]
     for got, want in zip(module.module()(*inputs), interpreter.run(graph, *inputs), strict=True):
         np.testing.assert_array_equal(got.view(want.dtype), want)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,k,n,x_dt,per_channel,residual", [
+    ((2, 16), 64, 40, "u8", True, "add"),    # MiniLM's out projection / FFN down: + f32 stream
+    ((1, 7), 30, 33, "i8", False, None),     # K padded to 32, per-tensor, f32 out alone
+    ((3, 5), 16, 24, "u8", True, "bcast"),   # a broadcast add stays a separate op
+])
+def test_linear_dequant__microkernel_f32_out_and_fused_add_bit_exact(rows, k, n, x_dt,
+                                                                      per_channel, residual):
+    """``linear → dequantize (→ + f32 residual)``: the kernel writes f32 (``float32((acc +
+    bias) · m) · 2^-sh``) and adds a same-shaped f32 residual in its epilogue."""
+    from qcompile.codegen import cpu
+    from qcompile.ir.graph import Graph, Op, node
+    from qcompile.ir.types import DType, QParams
+
+    rng = np.random.default_rng(11)
+    x = node(Op.INPUT, DType(x_dt), (*rows, k), name="x")
+    w = node(Op.CONST, DType.I8, (n, k), value=rng.integers(-128, 128, (n, k), np.int8))
+    bias = node(Op.CONST, DType.I32, (n,), value=rng.integers(-900, 900, n, np.int32))
+    lin = node(Op.QLINEAR, DType.I32, (*rows, n), x, w, bias, x_zp=-3 if x_dt == "i8" else 131)
+    scale = tuple(np.linspace(1e-4, 7e-3, n).astype(np.float32)) if per_channel else (3e-3,)
+    zps = tuple(rng.integers(-50, 50, len(scale)).tolist())
+    qp = QParams(DType.I32, scale, zps, *DType.I32.range, axis=2 if per_channel else None)
+    out = node(Op.DEQUANT, DType.F32, lin.shape, lin, qp=qp)
+    ins = [x]
+    if residual:
+        shape = lin.shape if residual == "add" else (n,)
+        r = node(Op.INPUT, DType.F32, shape, name="r")
+        out = node(Op.ADD, DType.F32, lin.shape, r, out)
+        ins.append(r)
+    graph = Graph("linear_dequant", tuple(ins), (out,))
+    module = cpu.compile_graph(graph, 1, uk=emit_ukernel.support(True))
+    assert module.ukernel["chains"] == 1 and module.ukernel["float_epilogue"] == 1
+    assert module.ukernel["float_residual_adds"] == (residual == "add")
+    inputs = [rng.integers(*x.dtype.range, endpoint=True, size=x.shape).astype(x.dtype.np)]
+    if residual:
+        inputs.append((rng.standard_normal(ins[1].shape) * 3).astype(np.float32))
+    got = module.module()(*inputs)[0]
+    np.testing.assert_array_equal(got, interpreter.run(graph, *inputs)[0])

@@ -60,6 +60,7 @@ class UkCall:
     quantize: ukernel.QuantizeShape | None = None   # an input quantize (qk_quantize_nchw)
     multi: tuple[int, int] | None = None    # linears sharing their input: (blocks, output size)
     members: tuple[str | None, ...] = ()    # their locations (one chain each)
+    floating: bool = False           # a dequantize: f32 out (and f32 residual)
 
     @property
     def locs(self) -> tuple[str | None, ...]:
@@ -83,6 +84,11 @@ def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
     if len(readers) != 1:
         return f"i32 accumulator with {len(readers)} readers"
     rq = readers[0]
+    if rq.op is Op.DEQUANT and conv.op is Op.QLINEAR:
+        qp = rq.attrs.qp
+        if rq.src[0] is not conv or qp.axis not in (None, len(rq.shape) - 1):
+            return "dequantize is not per output channel"
+        return None
     if rq.op is not Op.REQUANT:
         return f"epilogue is {rq.op.value}, not a requantize"
     if rq.src[0] is not conv or conv in rq.src[1:]:
@@ -127,7 +133,8 @@ def linear_groups(graph: Graph, chosen: dict[int, Node], users: dict[int, list[N
     same int8 type (attention's q, k and v projections), in graph order."""
     by_input: dict[tuple[int, int], list[Node]] = {}
     for n in graph.nodes():
-        if n.op is not Op.QLINEAR or id(n) not in chosen or len(chosen[id(n)].src) != 1:
+        if n.op is not Op.QLINEAR or id(n) not in chosen or len(chosen[id(n)].src) != 1 or \
+                chosen[id(n)].op is not Op.REQUANT:
             continue
         key = (id(n.src[0]), int(n.attrs.x_zp))
         by_input.setdefault(key, []).append(n)
@@ -137,6 +144,61 @@ def linear_groups(graph: Graph, chosen: dict[int, Node], users: dict[int, list[N
         if len(lins) > 1 and len(dtypes) == 1:
             for n in lins:
                 out[id(n)] = tuple(lins)
+    return out
+
+
+def float_residuals(graph: Graph, chosen: dict[int, Node], users: dict[int, list[Node]]
+                    ) -> dict[int, tuple[Node, Node]]:
+    """``id(dequantize) -> (add, residual)``: the float add that is a microkernel dequantize's
+    only reader (a residual stream kept float, ``x + dequant(linear(...))``), when its other
+    operand is an f32 tensor of the same shape computed before the dequantize: the kernel adds
+    it in its epilogue and writes the sum."""
+    order = {id(n): k for k, n in enumerate(graph.nodes())}
+    outputs = {id(o) for o in graph.outputs}
+    out: dict[int, tuple[Node, Node]] = {}
+    for dq in chosen.values():
+        readers = users.get(id(dq), [])
+        if dq.op is not Op.DEQUANT or len(readers) != 1 or id(dq) in outputs:
+            continue
+        add = readers[0]
+        if add.op is not Op.ADD or add.dtype is not DType.F32 or add.shape != dq.shape or \
+                len(add.src) != 2 or add.src[0] is add.src[1]:
+            continue
+        other = add.src[1] if add.src[0] is dq else add.src[0]
+        if other.dtype is DType.F32 and other.shape == add.shape and \
+                order[id(other)] < order[id(dq)]:
+            out[id(dq)] = (add, other)
+    return out
+
+
+def emit_dequant(em: Emitter, dq: Node, pending: Pending) -> TV:
+    """The microkernel dispatch of ``linear → dequantize`` (f32 out,
+    ``qmath.dequantize_array``), with the float add of :func:`float_residuals` fused: then the
+    add's value is set too (the dequantize's only reader)."""
+    from qcompile.codegen.emit_contract import as_u8, folded_bias
+    from qcompile.codegen.mlir_emit import materialize
+    from qcompile.ir import qmath
+
+    lin, qp = dq.src[0], dq.attrs.qp
+    x, zp = as_u8(pending.x, lin.attrs.x_zp)
+    xp, w, s = _linear_operands(em, lin, x, zp)
+    nn = s.f
+    m, power = qmath.scale_fixed(np.broadcast_to(np.asarray(qp.scale, np.float64), (nn,)))
+    bias = folded_bias(np.asarray(lin.src[2].attrs.value), w, zp, lin) - \
+        np.broadcast_to(np.asarray(qp.zero_point, np.int64), (nn,))
+    fused = em.uk_float_add.get(id(dq))
+    params = ukernel.pack_params(s, bias, m, np.ones(nn, np.int64), 0, 0, 0,
+                                 dequant_scale=power, float_residual=fused is not None)
+    operands = [_flat(xp), b.constant(ukernel.pack_weights(w), DType.I8),
+                b.constant(params, DType.I64)]
+    if fused is not None:
+        operands.append(_flat(materialize(em.values[id(fused[1])])))
+    name = f"{MATMUL_PREFIX}{em.ids[id(lin)]}_{em.ids[id(dq)]}"
+    out = b.reshape(_call(em, name, operands, s.out_size, DType.F32), dq.shape)
+    em.uk_calls.append(UkCall(name, s, params.size, operands[1].shape[0], fused is not None,
+                              lin.loc, floating=True))
+    if fused is not None:
+        em.values[id(fused[0])] = out
     return out
 
 
@@ -427,7 +489,8 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str) -> str:
             return ukernel.multi_executable_mlir(c.name, obj, c.shape, c.nweights, c.nparams,
                                                  c.multi[1], c.multi[0], target, entry=c.name)
         return ukernel.executable_mlir(c.name, obj, c.shape, c.nparams, c.nweights, c.residual,
-                                       target, entry=c.name, matmul=c.matmul)
+                                       target, entry=c.name, matmul=c.matmul,
+                                       floating=c.floating)
 
     text = _DECL.sub(executable, text)
     return _CALL.sub(lambda m: f"flow.dispatch @{m.group(1)}::@x86::@{m.group(1)}(", text)

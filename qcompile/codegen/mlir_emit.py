@@ -107,6 +107,9 @@ class Emitter:
         # linears sharing their input, one dispatch (emit_ukernel.linear_groups), and the
         # requantize outputs their call has produced
         self.uk_groups = emit_ukernel.linear_groups(graph, self.uk_chains, self.users)
+        # float adds a microkernel dequantize computes in its epilogue (dequantize id → (add,
+        # residual)): the add's value is that call's output
+        self.uk_float_add = emit_ukernel.float_residuals(graph, self.uk_chains, self.users)
         self.uk_group_out: dict[int, TV] = {}
         self.module: ir.Module | None = None
         self.values: dict[int, Value] = {}     # emitted so far (node id → value)
@@ -349,6 +352,10 @@ def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
     """``f32((x + bias - zp) * m[c]) * 2^-sh[c]`` (``qmath.dequantize_array``)."""
     qp = n.attrs.qp
     src = v[0]
+    if isinstance(src, Pending):
+        from qcompile.codegen import emit_ukernel
+
+        return emit_ukernel.emit_dequant(em, n, src)
     # a dequantize that feeds a float island (not just a graph output) is fenced from its GEMM:
     # fused, IREE 3.13's LLVM serialization of that dispatch is pathological (MiniLM, whose
     # out-projection and FFN-down dequantize into the float residual stream: 287 s in

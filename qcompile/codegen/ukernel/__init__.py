@@ -39,6 +39,7 @@ CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx51
 HEADER = 32
 H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue runs
 H_ZFOLD = 29        # header slot: the output zero point is folded into its rounding term
+H_FLOAT = 30        # header slot: a dequantize (f32 out, f32 residual)
 BLOCK = 64          # output channels per workgroup
 
 
@@ -181,9 +182,16 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
 def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarray,
                 zout: int, qmin: int, qmax: int, *, m1: np.ndarray | None = None,
                 res_zp: int = 0, res_signed: bool = False,
-                acc_bound: int | None = None) -> np.ndarray:
+                acc_bound: int | None = None,
+                dequant_scale: np.ndarray | None = None,
+                float_residual: bool = False) -> np.ndarray:
     """Header + per-channel i64 tables ``bias, m0, m1, add, shift`` (length ``fp`` each), then
     the tables of the narrow epilogue (see :func:`narrow_epilogue`).
+
+    ``dequant_scale`` (float32 ``2^-sh`` per channel) makes it a dequantize: f32 out
+    ``float32((acc + bias) * m0) * 2^-sh`` (plus an f32 residual), ``m0`` the scale's 24-bit
+    significand (``qmath.scale_fixed``); the f32 table takes the narrow tables' place.
+    ``float_residual``: that f32 result plus an f32 residual operand.
 
     ``bias`` includes every term that is added to the accumulator before ``m0`` (folded zero
     points, minus the requant's own zero point of the accumulator term). ``acc_bound`` bounds
@@ -204,7 +212,9 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
         add = (np.left_shift(np.int64(1), shift_c - 1) - np.int64(res_zp) * m1_c).astype(np.int64)
     if acc_bound is None:
         acc_bound = s.kh * s.kw * s.c * 255 * 128
-    narrow = narrow_epilogue(bias_c[:s.f], m0_c[:s.f], m1_c[:s.f], shift_c[:s.f], acc_bound)
+    floating = dequant_scale is not None
+    narrow = not floating and narrow_epilogue(bias_c[:s.f], m0_c[:s.f], m1_c[:s.f],
+                                              shift_c[:s.f], acc_bound)
     # clamps the saturating narrow store does not make: s8 codes saturate to [-128, 127], u8
     # codes (qmax > 127) to [0, 255] once the negatives are clamped away
     signed = qmax <= 127
@@ -224,10 +234,10 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
         if zfold:
             round32 = round32 + np.int64(zout) * np.left_shift(np.int64(1), shift_c - 32)
     h = np.zeros(HEADER, np.int64)
-    h[:30] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
-              int(m1 is not None), int(res_signed), zout, qmin, qmax, s.n, s.wstride, s.chunk,
-              *s.out_pad, s.out_fill, int(narrow), res_zp, int(signed), int(clamp_lo),
-              int(clamp_hi), int(zfold)]
+    h[:31] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+              int(m1 is not None or float_residual), int(res_signed), zout, qmin,
+              qmax, s.n, s.wstride, s.chunk, *s.out_pad, s.out_fill, int(narrow), res_zp,
+              int(signed), int(clamp_lo), int(clamp_hi), int(zfold), int(floating)]
     # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
     # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
     # rounding term 2^(s-33) (+ zp · 2^(s-32) where it folds); s - 32. Zeros where the wide
@@ -237,6 +247,10 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     if narrow:
         tables = [i32(bias_c), i32(m0_c), i32(odd(m0_c)), i32(m1_c), i32(odd(m1_c)),
                   i32(round32), i32(np.maximum(shift_c, 32) - 32)]
+    elif floating:
+        p = np.ones(fp, np.float32)
+        p[:s.f] = np.broadcast_to(np.asarray(dequant_scale, np.float32), (s.f,))
+        tables = [p.view(np.int64), np.zeros(6 * fp // 2, np.int64)]
     else:
         tables = [np.zeros(7 * fp // 2, np.int64)]
     return np.concatenate([h, bias_c, m0_c, m1_c, add, shift_c, *tables])
@@ -292,19 +306,20 @@ def host_target(flags: tuple[str, ...]) -> str:
 
 
 def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: int,
-                    residual: bool, target: str, entry: str = "conv", matmul: bool = False
-                    ) -> str:
+                    residual: bool, target: str, entry: str = "conv", matmul: bool = False,
+                    floating: bool = False) -> str:
     """A ``hal.executable`` @name, variant @x86, export @entry: bindings (x, w, params[, res],
     y), or for a batched ``matmul`` (x, w, params, terms, y) with the i32 zero-point terms
-    (per pixel, then per channel, of every image). Executables of one module need distinct
-    entries (they are linked into one library)."""
+    (per pixel, then per channel, of every image); ``floating``: a dequantize, y and res f32.
+    Executables of one module need distinct entries (they are linked into one library)."""
+    et = "f32" if floating else "i8"
     ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
     if matmul:
         ins.append(("i32", s.n * (s.oh * s.ow + s.fp)))
     elif residual:
-        ins.append(("i8", s.n * s.oh * s.ow * s.f))
+        ins.append((et, s.n * s.oh * s.ow * s.f))
     order = [0, 1, 2, 3 if residual or matmul else 0, len(ins)]
-    return _executable(name, obj, ins, ("i8", s.out_size), order,
+    return _executable(name, obj, ins, (et, s.out_size), order,
                        MATMUL_SYMBOL if matmul else SYMBOL, (s.blocks, s.chunks, s.n), target,
                        entry)
 

@@ -6,6 +6,9 @@
 //
 //   out = clamp(((acc + bias[c]) * m0[c] + res * m1[c] + add[c]) >> shift[c] + zp_out, lo, hi)
 //
+// or, for a dequantize (H_FLOAT), f32 out = float32((acc + bias[c]) * m0[c]) * p[c] (+ res, f32)
+// with m0 the scale's 24-bit significand and p = 2^-sh (qmath.dequantize_array).
+//
 // where bias holds the folded zero-point terms and add = 2^(shift-1) - z_res * m1. All i64
 // arithmetic wraps exactly like the reference's numpy int64, so the result is bit-exact.
 //
@@ -25,7 +28,7 @@
 enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
   H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
-  H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD,
+  H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD, H_FLOAT,
   HEADER = 32
 };
 
@@ -76,7 +79,9 @@ typedef struct {
   const int64_t* shift;
   int64_t zout, qmin, qmax;
   int res, res_signed, narrow, sat_signed, clamp_lo, clamp_hi, zfold;
+  int fout;                  // f32 out (a dequantize), residual f32; else int8
   int32_t res_zp;
+  const float* scale32;      // fout: 2^-sh per channel
   // the narrow epilogue's tables (see store16_narrow)
   const int32_t* bias32;
   const int32_t* m0_32;
@@ -150,6 +155,23 @@ INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_
     _mm512_mask_cvtusepi32_storeu_epi8((void*)y, mask, t);
 }
 
+// A dequantize: float32((acc + bias) * m) * 2^-sh, then plus the f32 residual. The product by
+// a power of two is exact, so the add rounds the same whether or not it is contracted.
+INLINE void store16_float(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r,
+                          uint8_t* y, __mmask16 mask) {
+  __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc));
+  __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1));
+  lo = _mm512_mullo_epi64(_mm512_add_epi64(lo, _mm512_loadu_si512(e->bias + c)),
+                          _mm512_loadu_si512(e->m0 + c));
+  hi = _mm512_mullo_epi64(_mm512_add_epi64(hi, _mm512_loadu_si512(e->bias + c + 8)),
+                          _mm512_loadu_si512(e->m0 + c + 8));
+  __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(lo)),
+                                _mm512_cvtepi64_ps(hi), 1);
+  f = _mm512_mul_ps(f, _mm512_loadu_ps(e->scale32 + c));
+  if (e->res) f = _mm512_add_ps(f, _mm512_maskz_loadu_ps(mask, (const float*)r));
+  _mm512_mask_storeu_ps((void*)y, mask, f);
+}
+
 // Per-pixel and per-channel i32 terms added to the accumulators before the requantize (the
 // zero-point corrections of a matmul whose operands are both run-time values); 0 for convs.
 typedef struct {
@@ -176,7 +198,9 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
         v = _mm512_add_epi32(v, _mm512_set1_epi32(t->row[m]));
         v = _mm512_add_epi32(v, _mm512_loadu_si512((const void*)(t->col + c)));
       }
-      if (e->narrow)
+      if (e->fout)
+        store16_float(v, e, c, r ? r + 4 * (m * f + 16 * j) : 0, ys[m] + 4 * 16 * j, mask);
+      else if (e->narrow)
         store16_narrow(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
       else
         store16(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
@@ -230,7 +254,10 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   e.sat_signed = (int)h[H_SIGNED];
   e.clamp_lo = (int)h[H_CLAMP_LO]; e.clamp_hi = (int)h[H_CLAMP_HI];
   e.zfold = (int)h[H_ZFOLD];        // the output zero point is in round32
+  e.fout = (int)h[H_FLOAT];
+  const int64_t esz = e.fout ? 4 : 1;     // bytes per output (and residual) element
   const int64_t* nt = per + 5 * fp;        // the narrow tables (pack_params)
+  e.scale32 = (const float*)nt;            // a dequantize's 2^-sh (the narrow tables' place)
   e.bias32 = (const int32_t*)nt;
   e.m0_32 = e.bias32 + fp;
   e.m0_odd = e.m0_32 + fp;
@@ -245,7 +272,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   // the output may be the next conv's padded input: H_YPT rows and H_YPL columns of border on
   // each side, filled with H_YFILL (the next conv's zero point) by the chunks they touch
   const int64_t pt = h[H_YPT], pl = h[H_YPL], owp = ow + 2 * pl;
-  uint8_t* ybase = yb + yo + n * (ohn + 2 * pt) * owp * f + c0;
+  uint8_t* ybase = yb + (yo + n * (ohn + 2 * pt) * owp * f + c0) * esz;
   if (pt || pl) {
     const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
     const int64_t left = f - c0;
@@ -281,14 +308,14 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     for (int m = 0; m < 6; ++m) {
       if (m < mr) {
         xs[m] = a.x + oy * sh_row + ox * sw_c;
-        ys[m] = ybase + ((oy + pt) * owp + ox + pl) * f;
+        ys[m] = ybase + ((oy + pt) * owp + ox + pl) * f * esz;
         if (++ox == ow) { ox = 0; ++oy; }
       } else {
         xs[m] = a.x;
         ys[m] = ybase;
       }
     }
-    const uint8_t* rp = e.res ? rb + ro + (image + p) * f + c0 : 0;
+    const uint8_t* rp = e.res ? rb + (ro + (image + p) * f + c0) * esz : 0;
     if (terms) tt.row = terms + image + p;
     switch (nr) {
       case 1: tiles_1(&a, &e, t, xs, c0, f, rp, ys, mr); break;
