@@ -176,14 +176,8 @@ def _qln_graph(dtype: DType, scale: float, zp: int, n: int, rows: int) -> Graph:
     return Graph("qln", (a,), (y, f))
 
 
-TARGET_CASES = [(DType.U8, 0.05, 128, 384, 8), (DType.I8, 0.002, -3, qmath.LN_MAX_N, 6)]
-
-
-@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "rows"), TARGET_CASES)
-def test_qlayernorm__cpu_and_ort_equal_the_reference_bit_for_bit(dtype, scale, zp, n, rows):
-    graph = _qln_graph(dtype, scale, zp, n, rows)
+def _cpu_and_ort_exact(graph: Graph, x: np.ndarray, rows: int) -> None:
     verify(graph, stage="test")
-    x = _codes(np.random.default_rng(3), dtype, zp, rows, n)
     want = interpreter.run(graph, x)
     for got, w in zip(cpu.compile_graph(graph, rows).module()(x), want, strict=True):
         np.testing.assert_array_equal(got.view(w.dtype), w)
@@ -192,29 +186,44 @@ def test_qlayernorm__cpu_and_ort_equal_the_reference_bit_for_bit(dtype, scale, z
         np.testing.assert_array_equal(got, w)
 
 
-@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "rows"), TARGET_CASES)
-def test_qlayernorm__triton_kernel_equals_the_reference(dtype, scale, zp, n, rows):
+def _triton_exact(graph: Graph, x: np.ndarray) -> None:
     pytest.importorskip("triton")
     from qcompile.codegen.triton import loader
     from qcompile.codegen.triton.lower import lower_graph
 
-    graph = _qln_graph(dtype, scale, zp, n, rows)
-    x = _codes(np.random.default_rng(3), dtype, zp, rows, n)
     program = lower_graph(graph, loader.kernels(True), torch.device("cpu"))
     assert [s.launch.kernel for s in program.launches()] == ["qlayernorm"] * 2
     for got, w in zip(program.run_numpy(x), interpreter.run(graph, x), strict=True):
         np.testing.assert_array_equal(got, w)
 
 
-def test_qlayernorm__kernel_compiles_for_sm90():
+def _compiles_for_sm90(graph: Graph) -> None:
     pytest.importorskip("triton")
     from qcompile.codegen.triton import aot, loader
     from qcompile.codegen.triton.lower import lower_graph
 
-    program = lower_graph(_qln_graph(DType.U8, 0.05, 128, 384, 8), loader.kernels(False),
-                          torch.device("cpu"))
+    program = lower_graph(graph, loader.kernels(False), torch.device("cpu"))
     for step in program.launches():
         assert ".entry" in aot.compile_step(step, 90).ptx
+
+
+TARGET_CASES = [(DType.U8, 0.05, 128, 384, 8), (DType.I8, 0.002, -3, qmath.LN_MAX_N, 6)]
+
+
+@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "rows"), TARGET_CASES)
+def test_qlayernorm__cpu_and_ort_equal_the_reference_bit_for_bit(dtype, scale, zp, n, rows):
+    _cpu_and_ort_exact(_qln_graph(dtype, scale, zp, n, rows),
+                       _codes(np.random.default_rng(3), dtype, zp, rows, n), rows)
+
+
+@pytest.mark.parametrize(("dtype", "scale", "zp", "n", "rows"), TARGET_CASES)
+def test_qlayernorm__triton_kernel_equals_the_reference(dtype, scale, zp, n, rows):
+    _triton_exact(_qln_graph(dtype, scale, zp, n, rows),
+                  _codes(np.random.default_rng(3), dtype, zp, rows, n))
+
+
+def test_qlayernorm__kernel_compiles_for_sm90():
+    _compiles_for_sm90(_qln_graph(DType.U8, 0.05, 128, 384, 8))
 
 
 class PostLN(nn.Module):
@@ -332,39 +341,17 @@ def test_layernorm_fixed_float__close_to_torch(n, rows, eps):
 
 @pytest.mark.parametrize(("n", "rows", "eps"), FLOAT_CASES)
 def test_qlayernorm_float_input__cpu_and_ort_equal_the_reference_bit_for_bit(n, rows, eps):
-    graph = _fln_graph(n, rows, eps)
-    verify(graph, stage="test")
-    x = _float_rows(np.random.default_rng(6), rows, n)
-    want = interpreter.run(graph, x)
-    for got, w in zip(cpu.compile_graph(graph, rows).module()(x), want, strict=True):
-        np.testing.assert_array_equal(got.view(w.dtype), w)
-    ort, _ = build_ort({rows: graph}, threads=1)
-    for got, w in zip(ort.run_numpy(x), want, strict=True):
-        np.testing.assert_array_equal(got, w)
+    _cpu_and_ort_exact(_fln_graph(n, rows, eps), _float_rows(np.random.default_rng(6), rows, n),
+                       rows)
 
 
 @pytest.mark.parametrize(("n", "rows", "eps"), FLOAT_CASES)
 def test_qlayernorm_float_input__triton_kernel_equals_the_reference(n, rows, eps):
-    pytest.importorskip("triton")
-    from qcompile.codegen.triton import loader
-    from qcompile.codegen.triton.lower import lower_graph
-
-    graph = _fln_graph(n, rows, eps)
-    x = _float_rows(np.random.default_rng(6), rows, n)
-    program = lower_graph(graph, loader.kernels(True), torch.device("cpu"))
-    assert [s.launch.kernel for s in program.launches()] == ["qlayernorm"] * 2
-    for got, w in zip(program.run_numpy(x), interpreter.run(graph, x), strict=True):
-        np.testing.assert_array_equal(got, w)
+    _triton_exact(_fln_graph(n, rows, eps), _float_rows(np.random.default_rng(6), rows, n))
 
 
 def test_qlayernorm_float_input__kernel_compiles_for_sm90():
-    pytest.importorskip("triton")
-    from qcompile.codegen.triton import aot, loader
-    from qcompile.codegen.triton.lower import lower_graph
-
-    program = lower_graph(_fln_graph(384, 8), loader.kernels(False), torch.device("cpu"))
-    for step in program.launches():
-        assert ".entry" in aot.compile_step(step, 90).ptx
+    _compiles_for_sm90(_fln_graph(384, 8))
 
 
 @pytest.mark.parametrize(("attr", "value"), [("code_bits", 30), ("k_max", 127), ("e", 2**42)])

@@ -82,8 +82,7 @@ def test_encoder__whole_block_in_integers_close_to_pt2e(encoder):
     assert vs_pt2e["compared_tensors"] >= 8 * LAYERS
 
 
-def test_encoder__cpu_and_ort_equal_the_reference_bit_for_bit(encoder):
-    q, (x, mask) = encoder
+def _cpu_and_ort_equal_the_reference(q, x: torch.Tensor, mask: torch.Tensor) -> None:
     want = interpreter.run(lower(q, BATCH).graph, x.numpy(), mask.numpy())
     cpu = compile_cpu(q, CompileOptions(batch_sizes=(BATCH,), analyze=False))
     for got, w in zip(cpu.runner.modules[BATCH].module()(x.numpy(), mask.numpy()), want,
@@ -94,11 +93,11 @@ def test_encoder__cpu_and_ort_equal_the_reference_bit_for_bit(encoder):
         np.testing.assert_array_equal(got, w)
 
 
-def test_encoder__triton_kernels_equal_the_reference_bit_for_bit(encoder):
+def _triton_equals_the_reference(q, x: torch.Tensor, mask: torch.Tensor) -> None:
+    """Interpreted Triton kernels; layer norms, softmax and mask lookups on the device."""
     pytest.importorskip("triton")
     from qcompile.codegen.triton.target import CudaOptions, compile_cuda
 
-    q, (x, mask) = encoder
     model = compile_cuda(q, CompileOptions(batch_sizes=(BATCH,), analyze=False),
                          CudaOptions(interpret=True))
     host = [h["op"] for h in model.report["kernels"]["host_ops"]]
@@ -107,6 +106,16 @@ def test_encoder__triton_kernels_equal_the_reference_bit_for_bit(encoder):
     want = interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy())
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_encoder__cpu_and_ort_equal_the_reference_bit_for_bit(encoder):
+    q, (x, mask) = encoder
+    _cpu_and_ort_equal_the_reference(q, x, mask)
+
+
+def test_encoder__triton_kernels_equal_the_reference_bit_for_bit(encoder):
+    q, (x, mask) = encoder
+    _triton_equals_the_reference(q, x, mask)
 
 
 @pytest.fixture(scope="module")
@@ -138,21 +147,5 @@ def test_float_residual_stream__layer_norms_in_integers_on_float_rows(float_stre
 
 def test_float_residual_stream__cpu_ort_and_triton_equal_the_reference(float_stream_encoder):
     q, (x, mask) = float_stream_encoder
-    want = interpreter.run(lower(q, BATCH).graph, x.numpy(), mask.numpy())
-    cpu = compile_cpu(q, CompileOptions(batch_sizes=(BATCH,), analyze=False))
-    for got, w in zip(cpu.runner.modules[BATCH].module()(x.numpy(), mask.numpy()), want,
-                      strict=True):
-        np.testing.assert_array_equal(got.view(w.dtype), w)
-    ort, _ = build_ort({BATCH: lower(q, BATCH).graph}, threads=1)
-    for got, w in zip(ort.run_numpy(x.numpy(), mask.numpy()), want, strict=True):
-        np.testing.assert_array_equal(got, w)
-    pytest.importorskip("triton")
-    from qcompile.codegen.triton.target import CudaOptions, compile_cuda
-
-    model = compile_cuda(q, CompileOptions(batch_sizes=(BATCH,), analyze=False),
-                         CudaOptions(interpret=True))
-    assert "qlayernorm" not in [h["op"] for h in model.report["kernels"]["host_ops"]]
-    got = model.runner.programs[BATCH].run_numpy(x.numpy(), mask.numpy())
-    for g, w in zip(got, interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy()),
-                    strict=True):
-        np.testing.assert_array_equal(g, w)
+    _cpu_and_ort_equal_the_reference(q, x, mask)
+    _triton_equals_the_reference(q, x, mask)
