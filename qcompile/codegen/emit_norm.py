@@ -50,13 +50,13 @@ def _qlayernorm(em: Emitter, n: Node, v: list[Value]) -> Value:
     x = materialize(v[0])
     a = n.attrs
     width = x.shape[-1]
+    root_shift, r_bits, z_shift = qmath.layernorm_shifts(x.dtype is DType.F32)
     row_eps: TV | None = None
+    zp = 0
     if x.dtype is DType.F32:
         x, row_eps = _float_codes(x, a.code_bits, a.k_max, a.e, a.e_shift)
-        zp, root_shift, r_bits, z_shift = 0, 0, qmath.LNF_R_BITS, qmath.LNF_Z_SHIFT
     else:
-        zp, root_shift, r_bits, z_shift = (a.x_zp, qmath.LN_ROOT_SHIFT, qmath.LN_R_BITS,
-                                           qmath.LN_Z_SHIFT)
+        zp = a.x_zp
 
     def centred(c: ir.Value) -> ir.Value:
         return arith.subi(b.widen(c, x.dtype, 64), b.ci(zp, 64))

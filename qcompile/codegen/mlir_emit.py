@@ -364,7 +364,7 @@ def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
     if isinstance(src, Acc) and (em.opts.split_dequant or em.users.get(id(n))):
         src = Acc(b.barrier(src.tv), src.bias, src.axis)
     x = src.tv if isinstance(src, Acc) else src
-    bias = per_channel(src.bias, 32, src.axis) if isinstance(src, Acc) and \
+    bias = per_channel(src.bias, 64, src.axis) if isinstance(src, Acc) and \
         src.bias is not None else None
     zps = np.asarray(qp.zero_point)
     zp = per_channel(qp.zero_point, 64, qp.axis) if np.any(zps) else None
@@ -375,7 +375,7 @@ def _dequant(em: Emitter, n: Node, v: list[Value]) -> Value:
     def body(a: ir.Value, _o: ir.Value) -> ir.Value:
         a64 = b.widen(a, x.dtype, 64)
         if bias is not None:
-            a64 = arith.addi(a64, arith.extsi(b.int_type(64), bias()))
+            a64 = arith.addi(a64, bias())
         if zp is not None:
             a64 = arith.subi(a64, zp())
         # qmath.dequantize_array: an exact product by a power of two, so an add that LLVM

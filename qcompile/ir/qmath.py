@@ -272,9 +272,19 @@ LNF_E_BITS = 40
 LNF_MAX_K = 126
 
 
+def layernorm_shifts(float_input: bool) -> tuple[int, int, int]:
+    """``(root_shift, r_bits, z_shift)`` of the steps above: the int8 layer norm's, or (f32
+    input) the float-input one's."""
+    if float_input:
+        return 0, LNF_R_BITS, LNF_Z_SHIFT
+    return LN_ROOT_SHIFT, LN_R_BITS, LN_Z_SHIFT
+
+
+FloatLayerNormParams = tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray]
+
+
 def layernorm_float_params(n: int, eps: float, gamma: np.ndarray, beta: np.ndarray,
-                           out_scale: float
-                           ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, np.ndarray] | None:
+                           out_scale: float) -> FloatLayerNormParams | None:
     """``(CB, K_MAX, e, e_shift, G, B, SH)`` of the float-input layer norm above, or ``None``
     (rows longer than ``LN_MAX_N``, affine parameters that do not fit)."""
     if n > LN_MAX_N or not eps >= 0.0 or not math.isfinite(eps):
@@ -320,15 +330,14 @@ def isqrt_rows(v: np.ndarray) -> np.ndarray:
 def layernorm_fixed(x: np.ndarray, zp_x: int, e: int, g: np.ndarray, b: np.ndarray
                     ) -> np.ndarray:
     """``t`` of the int8 layer norm above over the last axis of codes ``x`` (i64)."""
-    return _layernorm_t(x.astype(np.int64) - zp_x, e, g, b, LN_ROOT_SHIFT, LN_R_BITS,
-                        LN_Z_SHIFT)
+    return _layernorm_t(x.astype(np.int64) - zp_x, e, g, b, *layernorm_shifts(False))
 
 
 def layernorm_fixed_float(x: np.ndarray, code_bits: int, k_max: int, e: int, e_shift: int,
                           g: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``t`` of the float-input layer norm above over the last axis of float32 ``x``."""
     c, k = layernorm_float_codes(x, code_bits, k_max)
-    return _layernorm_t(c, layernorm_row_eps(k, e, e_shift), g, b, 0, LNF_R_BITS, LNF_Z_SHIFT)
+    return _layernorm_t(c, layernorm_row_eps(k, e, e_shift), g, b, *layernorm_shifts(True))
 
 
 def _layernorm_t(c: np.ndarray, e: int | np.ndarray, g: np.ndarray, b: np.ndarray,

@@ -146,8 +146,8 @@ def _qlayernorm_float_input(n: Node) -> str | None:
     keys = ("code_bits", "k_max", "e_shift")
     if not all(isinstance(a.get(k), int) for k in keys):
         return "qlayernorm on f32 needs integer code_bits, k_max and e_shift"
-    if width * width << (2 * a.code_bits) > 2**52 or not 0 < a.code_bits or \
-            not a.k_max <= qmath.LNF_MAX_K or a.e >= 2**41 + 1 or \
+    if width * width << (2 * a.code_bits) > 2**52 or a.code_bits <= 0 or \
+            not a.k_max <= qmath.LNF_MAX_K or a.e > 2**41 or \
             (a.e and 2 * a.k_max - a.e_shift + 41 > 51):
         return "qlayernorm on f32: code_bits, k_max or e outside the bounds of exact i64 arithmetic"
     return None

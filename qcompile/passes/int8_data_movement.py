@@ -17,6 +17,8 @@ integer sum dequantized once, where a float sum rounds differently with each tar
 
 from __future__ import annotations
 
+import math
+
 from qcompile.ir.graph import Node, Op, node
 from qcompile.ir.types import DType, QParams
 from qcompile.passes._build import requant, rescale
@@ -79,10 +81,7 @@ def _float_sum(n: Node) -> Node | None:
     x = n.src[0].src[0]
     dims = tuple(sorted(d % len(x.shape) for d in a.args[1]))
     keepdim = bool(a.args[2]) if len(a.args) == 3 else False
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
-    if count * 255 >= 2**31:
+    if math.prod(x.shape[d] for d in dims) * 255 >= 2**31:
         return None
     acc = node(Op.QSUM, DType.I32, n.shape, x, loc=n.loc, x_zp=x_qp.zp, dims=dims,
                keepdim=keepdim)

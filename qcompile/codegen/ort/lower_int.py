@@ -148,12 +148,12 @@ def _qlayernorm(ex: Exporter, n: Node, v: list[str]) -> str:
     floors."""
     a = n.attrs
     i64 = DType.I64
-    if n.src[0].dtype is DType.F32:
+    floating = n.src[0].dtype is DType.F32
+    root_shift, r_bits, z_shift = qmath.layernorm_shifts(floating)
+    if floating:
         c, eps = _float_codes(ex, v[0], a)
-        root_shift, r_bits, z_shift = 0, qmath.LNF_R_BITS, qmath.LNF_Z_SHIFT
     else:
         c, eps = _centred(ex, v[0], a.x_zp, i64), ex.const(a.e, np.int64)
-        root_shift, r_bits, z_shift = qmath.LN_ROOT_SHIFT, qmath.LN_R_BITS, qmath.LN_Z_SHIFT
     axes = ex.const([-1], np.int64)
     s1 = ex.op("ReduceSum", [c, axes], keepdims=1)
     s2 = ex.op("ReduceSum", [ex.op("Mul", [c, c]), axes], keepdims=1)

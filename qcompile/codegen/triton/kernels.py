@@ -18,8 +18,9 @@ row   meaning
 ====  =====================================================================================
 
 and ``scale[F]`` (f32, ``2^-sh``) for a dequantize, ``out = float32(v * m) * 2^-sh``
-(:func:`qcompile.ir.qmath.dequantize_array`). Otherwise ``out = clamp(((v + bias) * M0 + (r - zr) * M1 + rnd)
->> shift + zp_out, qmin, qmax)`` in i64, exactly :func:`qcompile.ir.qmath.requantize`.
+(:func:`qcompile.ir.qmath.dequantize_array`). Otherwise
+``out = clamp(((v + bias) * M0 + (r - zr) * M1 + rnd) >> shift + zp_out, qmin, qmax)`` in i64,
+exactly :func:`qcompile.ir.qmath.requantize`.
 
 Contractions run on int8 tensor cores: ``tl.dot(s8, s8, out_dtype=int32)``. u8 activations are
 shifted to s8 on load (``x - 128``; the zero point moves by 128) and the activation zero point

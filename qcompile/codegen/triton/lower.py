@@ -240,17 +240,14 @@ def _qlayernorm(lw: Lowerer, n: Node) -> Step:
     scale = lw.tensor(np.ldexp(np.float32(1.0), -np.asarray(a.sh)).astype(np.float32))
     floating = n.dtype is DType.F32
     zp, lo, hi = (0, 0, 0) if floating else (a.zp, *a.range)
-    if n.src[0].dtype is DType.F32:            # qmath.layernorm_fixed_float
-        r_bits, fixed = qmath.LNF_R_BITS, (0, a.code_bits, a.k_max, a.e_shift)
-        consts = {"ROOT_SHIFT": 0, "Z_SHIFT": qmath.LNF_Z_SHIFT, "FLOAT_IN": True}
-    else:
-        r_bits, fixed = qmath.LN_R_BITS, (a.x_zp, 0, 0, 0)
-        consts = {"ROOT_SHIFT": qmath.LN_ROOT_SHIFT, "Z_SHIFT": qmath.LN_Z_SHIFT,
-                  "FLOAT_IN": False}
-    x_zp, code_bits, k_max, e_shift = fixed
+    float_in = n.src[0].dtype is DType.F32           # qmath.layernorm_fixed_float
+    root_shift, r_bits, z_shift = qmath.layernorm_shifts(float_in)
+    x_zp, code_bits, k_max, e_shift = (0, a.code_bits, a.k_max, a.e_shift) if float_in else \
+        (a.x_zp, 0, 0, 0)
     args = (lw.ref(n.src[0]), *tables, scale, OUT, width, x_zp, a.e, 1 << r_bits, zp, lo, hi,
             code_bits, k_max, e_shift)
-    consts.update({"MARGIN": qmath.LN_ISQRT_MARGIN, "FLOAT_OUT": floating, "BLOCK": block})
+    consts = {"ROOT_SHIFT": root_shift, "Z_SHIFT": z_shift, "MARGIN": qmath.LN_ISQRT_MARGIN,
+              "FLOAT_IN": float_in, "FLOAT_OUT": floating, "BLOCK": block}
     return lw.step(n, (n,), Launch("qlayernorm", (n.numel // width, 1, 1), args, consts,
                                    tile=f"{block}"), "qlayernorm")
 
