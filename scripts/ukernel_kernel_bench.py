@@ -63,6 +63,10 @@ SHAPES = {
     "8x8x20-37-1x1-shift": (1, 8, 8, 20, 37, 1, 1, 0, False),
     "28x28x64-64-3x3+res-shift31": (1, 28, 28, 64, 64, 3, 1, 1, True),
     "8x8x20-40-1x1-shift62": (1, 8, 8, 20, 40, 1, 1, 0, False),
+    # MiniLM's linears at seq 128, batch 1 (M = 128 rows as a 1 x 128 image)
+    "minilm-qkv-128x384-1152": (1, 1, 128, 384, 1152, 1, 1, 0, False),
+    "minilm-ffn1-128x384-1536": (1, 1, 128, 384, 1536, 1, 1, 0, False),
+    "minilm-ffn2-128x1536-384": (1, 1, 128, 1536, 384, 1, 1, 0, False),
 }
 # output (zero point, qmin, qmax), cycled over the shapes: s8, u8, s8 + relu, u8 + relu, u8 + clamp
 OUTPUTS = [(-3, -128, 127), (100, 0, 255), (-10, -10, 127), (20, 20, 255), (5, 0, 200)]

@@ -85,6 +85,10 @@ def test_encoder__whole_block_in_integers_close_to_pt2e(encoder):
 def _cpu_and_ort_equal_the_reference(q, x: torch.Tensor, mask: torch.Tensor) -> None:
     want = interpreter.run(lower(q, BATCH).graph, x.numpy(), mask.numpy())
     cpu = compile_cpu(q, CompileOptions(batch_sizes=(BATCH,), analyze=False))
+    uk = cpu.report["compile"]["ukernel"]
+    if uk["used"]:                     # each layer's attention is one fused dispatch
+        assert uk["attention"] == LAYERS and not any(k.startswith("attention") for k in
+                                                     uk["stock"])
     for got, w in zip(cpu.runner.modules[BATCH].module()(x.numpy(), mask.numpy()), want,
                       strict=True):
         np.testing.assert_array_equal(got.view(w.dtype), w)

@@ -196,7 +196,8 @@ def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkey
     rep = model.report["compile"]["ukernel"]
     assert rep == {"used": False, "why": rep["why"], "chains": {"1": 0},
                    "lowered": [], "stock": {}, "narrow_epilogue": 0, "input_quantize": 0,
-                   "shared_input_dispatches": 0, "float_epilogue": 0, "float_residual_adds": 0}
+                   "shared_input_dispatches": 0, "float_epilogue": 0, "float_residual_adds": 0,
+                   "attention": 0}
     assert "no AVX-512 VNNI" in rep["why"]
     np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
         model.runner.modules[1].graph, x[:1].numpy())[0])

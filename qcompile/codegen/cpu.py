@@ -153,7 +153,8 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
                         "input_quantize": len(calls) - len(chains),
                         "shared_input_dispatches": sum(c.multi is not None for c in chains),
                         "float_epilogue": sum(c.floating for c in chains),
-                        "float_residual_adds": sum(c.floating and c.residual for c in chains)}
+                        "float_residual_adds": sum(c.floating and c.residual for c in chains),
+                        "attention": sum(c.attention is not None for c in chains)}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
             errors.append(got)
     assert first is not None
@@ -250,8 +251,8 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
     straight into the first conv's padded input (``input_quantize``), how many dispatches run
     several linears that share their input (``shared_input_dispatches``: attention's q, k, v),
     how many linears dequantize to f32 in the kernel (``float_epilogue``: a residual stream kept
-    float) and add their residual there (``float_residual_adds``), and why the others kept the
-    stock lowering."""
+    float) and add their residual there (``float_residual_adds``), how many attention chains
+    run as one fused dispatch (``attention``), and why the others kept the stock lowering."""
     infos = {b: m.ukernel for b, m in modules.items() if m.ukernel is not None}
     counts = {str(b): i["chains"] for b, i in sorted(infos.items())}
     used = any(counts.values())
@@ -268,5 +269,6 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
                    input_quantize=last.get("input_quantize", 0),
                    shared_input_dispatches=last.get("shared_input_dispatches", 0),
                    float_epilogue=last.get("float_epilogue", 0),
-                   float_residual_adds=last.get("float_residual_adds", 0))
+                   float_residual_adds=last.get("float_residual_adds", 0),
+                   attention=last.get("attention", 0))
     return out

@@ -43,6 +43,7 @@ PREFIX = "qk_conv_"            # conv chains; linear and matmul chains: MATMUL_P
 MATMUL_PREFIX = "qk_matmul_"
 QUANT_PREFIX = "qk_quant_"     # the model input's quantize into a conv's padded input
 MULTI_PREFIX = "qk_mlin_"      # linears sharing their input, one dispatch
+ATTN_PREFIX = "qk_attn_"       # Q·Kᵀ → requantize → mask → softmax → P·V → requantize
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class UkCall:
     multi: tuple[int, int] | None = None    # linears sharing their input: (blocks, output size)
     members: tuple[str | None, ...] = ()    # their locations (one chain each)
     floating: bool = False           # a dequantize: f32 out (and f32 residual)
+    attention: ukernel.AttentionShape | None = None   # a fused attention (qk_attention_u8)
+    nmask: int = 0                   # its mask operand's elements
 
     @property
     def locs(self) -> tuple[str | None, ...]:
@@ -169,6 +172,170 @@ def float_residuals(graph: Graph, chosen: dict[int, Node], users: dict[int, list
                 order[id(other)] < order[id(dq)]:
             out[id(dq)] = (add, other)
     return out
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One attention chain the fused kernel computes (:func:`attention_chains`): the sources
+    ``[N, S, H·D]`` of q, k and v, the chain's nodes, and the head merge (permute, reshape) that
+    reads its result."""
+
+    q: Node
+    k: Node
+    v: Node
+    qk: Node
+    rq1: Node
+    mask: Node | None            # the MASK_LUT (its src[1] is the mask)
+    softmax: Node
+    pv: Node
+    rq2: Node
+    merge: tuple[Node, Node]
+
+    @property
+    def inner(self) -> tuple[Node, ...]:
+        """The nodes that are not emitted (the kernel computes them)."""
+        return tuple(n for n in (self.qk, self.rq1, self.mask, self.softmax, self.pv, self.rq2)
+                     if n is not None)
+
+
+def _split_heads(x: Node, dims: tuple[int, ...]) -> Node | None:
+    """``src`` when ``x = permute(reshape(src, [N, S, H, D]), dims)`` with ``src`` ``[N, S,
+    H·D]`` int8, else None."""
+    if x.op is not Op.PERMUTE or tuple(x.attrs.dims) != dims:
+        return None
+    r = x.src[0]
+    if r.op is not Op.RESHAPE or len(r.shape) != 4 or not r.dtype.is_int8:
+        return None
+    src = r.src[0]
+    nb, s, h, d = r.shape
+    return src if src.shape == (nb, s, h * d) else None
+
+
+def _keys(x: Node) -> Node | None:
+    """The source of Kᵀ ``[N, H, D, S]``: one permute (0, 2, 3, 1) of the split heads, or
+    (0, 2, 1, 3) then (0, 1, 3, 2)."""
+    if x.op is not Op.PERMUTE:
+        return None
+    if tuple(x.attrs.dims) == (0, 1, 3, 2):
+        return _split_heads(x.src[0], (0, 2, 1, 3))
+    return _split_heads(x, (0, 2, 3, 1))
+
+
+def _single_rq(n: Node) -> bool:
+    """A per-tensor requantize of one term onto int8."""
+    rq = n.attrs.rq
+    return n.op is Op.REQUANT and len(n.src) == 1 and len(rq.terms) == 1 and \
+        np.asarray(rq.terms[0].multiplier).size == 1 and np.asarray(rq.shift).size == 1 and \
+        rq.out_dtype.is_int8 and 1 <= int(np.asarray(rq.shift).reshape(-1)[0]) <= 62
+
+
+def attention_chains(graph: Graph, users: dict[int, list[Node]]
+                     ) -> tuple[dict[int, Attention], dict[str, int]]:
+    """``id(node) -> Attention`` for every node of each chain ``q·kᵀ → requant → [mask_lut] →
+    softmax (last axis) → ·v → requant → head merge`` that the fused kernel computes (each
+    intermediate read only by the next, none a graph output), and the count of each reason a
+    softmax's chain is not fused."""
+    outputs = {id(o) for o in graph.outputs}
+    chains: dict[int, Attention] = {}
+    why: dict[str, int] = {}
+
+    def only(n: Node) -> Node | None:
+        readers = users.get(id(n), [])
+        return readers[0] if len(readers) == 1 and id(n) not in outputs else None
+
+    for sm in graph.nodes():
+        if sm.op is not Op.QSOFTMAX:
+            continue
+        reason, att = _attention(sm, only)
+        if att is None:
+            why[reason] = why.get(reason, 0) + 1
+            continue
+        for n in (*att.inner, *att.merge):
+            chains[id(n)] = att
+    return chains, why
+
+
+def _attention(sm: Node, only: Any) -> tuple[str, Attention | None]:
+    if sm.attrs.axis != len(sm.shape) - 1 or len(sm.shape) != 4:
+        return "softmax is not over the last of 4 axes", None
+    if sm.dtype is not DType.U8:
+        return "probabilities are not u8", None
+    ml = sm.src[0] if sm.src[0].op is Op.MASK_LUT else None
+    rq1 = ml.src[0] if ml is not None else sm.src[0]
+    if ml is not None:
+        mask = ml.src[1]
+        if only(ml) is not sm or mask.dtype is not DType.I64 or len(mask.shape) != 4 or \
+                mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, sm.shape[0]) or \
+                mask.shape[3] != sm.shape[3] or np.asarray(ml.attrs.table).shape != (4, 256):
+            return "mask is not an i64 [N, 1, 1, S] key mask", None
+    if not _single_rq(rq1) or only(rq1) is not (ml or sm):
+        return "scores are not one per-tensor requantize", None
+    qk = rq1.src[0]
+    if qk.op is not Op.QMATMUL or only(qk) is not rq1:
+        return "scores are not a matmul", None
+    pv = only(sm)
+    rq2 = only(pv) if pv is not None else None
+    if pv is None or pv.op is not Op.QMATMUL or pv.src[0] is not sm or rq2 is None or \
+            not _single_rq(rq2):
+        return "probabilities do not feed one matmul and requantize", None
+    perm = only(rq2)
+    merge = only(perm) if perm is not None else None
+    if perm is None or perm.op is not Op.PERMUTE or tuple(perm.attrs.dims) != (0, 2, 1, 3) or \
+            merge is None or merge.op is not Op.RESHAPE or len(merge.shape) != 3:
+        return "the heads are not merged by a permute and reshape", None
+    q, k, v = _split_heads(qk.src[0], (0, 2, 1, 3)), _keys(qk.src[1]), \
+        _split_heads(pv.src[1], (0, 2, 1, 3))
+    if q is None or k is None or v is None or not (q.shape == k.shape == v.shape):
+        return "q, k, v are not head splits of [N, S, H·D] tensors", None
+    nb, h, s, d = qk.src[0].shape
+    if merge.shape != (nb, s, h * d) or pv.shape != (nb, h, s, d):
+        return "the heads are not merged into [N, S, H·D]", None
+    fits = ukernel.attention_fits(s, d)
+    if fits is not None:
+        return fits, None
+    return "", Attention(q, k, v, qk, rq1, ml, sm, pv, rq2, (perm, merge))
+
+
+def _rq_row(n: Node, bias: int = 0) -> tuple[int, ...]:
+    rq = n.attrs.rq
+    return (bias - int(rq.terms[0].zero_point), int(np.asarray(rq.terms[0].multiplier).reshape(
+        -1)[0]), int(np.asarray(rq.shift).reshape(-1)[0]), int(rq.zp_out), int(rq.qmin),
+        int(rq.qmax))
+
+
+def emit_attention(em: Emitter, att: Attention) -> TV:
+    """The fused attention dispatch of ``att``; its result is the head merge's value (set for
+    both merge nodes)."""
+    from qcompile.codegen.mlir_emit import materialize
+
+    nb, h, s, d = att.qk.src[0].shape
+    mask = att.mask.src[1] if att.mask is not None else None
+    shape = ukernel.AttentionShape(nb, s, h, d, mask.shape[0] if mask is not None else 0)
+    qa, pa = att.qk.attrs, att.pv.attrs
+    flips = (att.q.dtype is DType.I8, att.k.dtype is DType.U8, att.v.dtype is DType.U8)
+    zps = (int(qa.a_zp) + 128 * flips[0], int(qa.b_zp) - 128 * flips[1],
+           int(pa.b_zp) - 128 * flips[2], int(pa.a_zp))
+    sa = att.softmax.attrs
+    lo = att.rq1.dtype.range[0]
+    params = ukernel.pack_attention_params(
+        shape, flips, zps, lo, _rq_row(att.rq1), (int(sa.m), int(sa.zp), *map(int, sa.range)),
+        _rq_row(att.rq2), np.asarray(att.mask.attrs.table) if att.mask is not None else None,
+        np.asarray(sa.table), scores_signed=att.softmax.src[0].dtype is DType.I8)
+    ops = [_flat(materialize(em.values[id(x)])) for x in (att.q, att.k, att.v)]
+    m = _flat(materialize(em.values[id(mask)])) if mask is not None else \
+        b.constant(np.zeros(1, np.int64), DType.I64)
+    name = f"{ATTN_PREFIX}{em.ids[id(att.qk)]}_{em.ids[id(att.rq2)]}"
+    with em.loc(att.qk):
+        out = _call(em, name, [*ops, m, b.constant(params, DType.I64)], shape.size,
+                    att.rq2.dtype)
+    em.uk_calls.append(UkCall(name, ukernel.ConvShape(nb, 1, s, d, d, 1, 1, 1, 1, 1, 1, 1, s),
+                              params.size, 0, False, att.qk.loc, attention=shape,
+                              nmask=m.shape[0],
+                              members=(att.qk.loc, att.pv.loc)))
+    perm, merge = att.merge
+    em.values[id(perm)] = b.reshape(out, perm.shape)
+    em.values[id(merge)] = b.reshape(out, merge.shape)
+    return em.values[id(merge)]
 
 
 def emit_dequant(em: Emitter, dq: Node, pending: Pending) -> TV:
@@ -470,7 +637,8 @@ def _call(em: Emitter, name: str, operands: Sequence[TV], size: int, dtype: DTyp
     return TV(call.results[0], dtype, (size,))
 
 
-_NAMES = rf"(?:{PREFIX}|{MATMUL_PREFIX}|{QUANT_PREFIX}|{MULTI_PREFIX})\d+(?:_\d+)+"
+_PREFIXES = "|".join((PREFIX, MATMUL_PREFIX, QUANT_PREFIX, MULTI_PREFIX, ATTN_PREFIX))
+_NAMES = rf"(?:{_PREFIXES})\d+(?:_\d+)+"
 _DECL = re.compile(rf"^ *func\.func private @({_NAMES})\(.*$", re.M)
 _CALL = re.compile(rf"\b(?:func\.)?call @({_NAMES})\(")
 
@@ -485,6 +653,9 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str) -> str:
         if c.quantize is not None:
             return ukernel.quantize_executable_mlir(c.name, obj, c.quantize, c.nparams, target,
                                                     entry=c.name)
+        if c.attention is not None:
+            return ukernel.attention_executable_mlir(c.name, obj, c.attention, c.nmask,
+                                                     c.nparams, target, entry=c.name)
         if c.multi is not None:
             return ukernel.multi_executable_mlir(c.name, obj, c.shape, c.nweights, c.nparams,
                                                  c.multi[1], c.multi[0], target, entry=c.name)

@@ -46,7 +46,15 @@ class Pending:
     y: TV | None = None
 
 
-Value = TV | Acc | Pending
+@dataclass(frozen=True)
+class Fused:
+    """A node inside a fused attention chain (:func:`qcompile.codegen.emit_ukernel.
+    attention_chains`): the kernel computes it, nothing else reads it."""
+
+    node_id: int
+
+
+Value = TV | Acc | Pending | Fused
 Emit = Callable[["Emitter", Node, list[Value]], Value]
 _EMITTERS: dict[Op, Emit] = {}
 
@@ -111,6 +119,12 @@ class Emitter:
         # residual)): the add's value is that call's output
         self.uk_float_add = emit_ukernel.float_residuals(graph, self.uk_chains, self.users)
         self.uk_group_out: dict[int, TV] = {}
+        # attention chains the fused kernel computes (node id → chain), and why the others
+        # are not fused
+        self.uk_attention, self.uk_attention_stock = emit_ukernel.attention_chains(
+            graph, self.users) if self.opts.ukernel_convs else ({}, {})
+        for why, count in self.uk_attention_stock.items():
+            self.uk_stock[f"attention: {why}"] = count
         self.module: ir.Module | None = None
         self.values: dict[int, Value] = {}     # emitted so far (node id → value)
         # microkernel outputs written into their reader's zero-point-padded input: node id →
@@ -124,6 +138,13 @@ class Emitter:
         fn = _EMITTERS.get(n.op)
         if fn is None:
             raise unsupported(n, "no CPU lowering for this op")
+        att = self.uk_attention.get(id(n))
+        if att is not None:
+            from qcompile.codegen import emit_ukernel
+
+            if n is att.rq2:
+                emit_ukernel.emit_attention(self, att)
+            return Fused(id(n))
         with self.loc(n):
             out = fn(self, n, operands)
             # a transpose reading an epilogue would pull it out of its contraction's dispatch
@@ -181,6 +202,10 @@ def materialize(v: Value) -> TV:
     if isinstance(v, Pending):
         raise CompileError("cpu: a microkernel conv's accumulator has another reader",
                            why="emit_ukernel.plan selected a chain it should not have")
+    if isinstance(v, Fused):
+        raise CompileError("cpu: a value inside a fused attention chain has another reader",
+                           why="emit_ukernel.attention_chains selected a chain it should not "
+                               "have")
     if v.bias is None:
         return v.tv
     table = b.constant(v.bias.astype(np.int32), DType.I32)

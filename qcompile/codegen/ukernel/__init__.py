@@ -32,6 +32,7 @@ SYMBOL = "qk_conv2d_u8s8"
 MATMUL_SYMBOL = "qk_matmul_u8s8"
 QUANT_SYMBOL = "qk_quantize_nchw"
 MULTI_SYMBOL = "qk_linear_multi"
+ATTN_SYMBOL = "qk_attention_u8"
 M_ENTRY = 4          # directory entry of a multi-linear call: first block, params, weights, out
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
           "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
@@ -340,6 +341,103 @@ def multi_executable_mlir(name: str, obj: Path, s: ConvShape, nweights: int, npa
     ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
     return _executable(name, obj, ins, ("i8", out_size), [0, 1, 2, 3], MULTI_SYMBOL,
                        (blocks, s.chunks, s.n), target, entry)
+
+
+# fused attention (qk_attention_u8): header slots, and the limits of its stack buffers
+ATTN_HEADER = 40
+ATTN_MAX_S = 512                 # keys (and queries) per sequence
+ATTN_MAX_SD = 16384              # keys padded to 16 times the head size
+ATTN_MAX_D = 128
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One fused attention (``qk_attention_u8``): ``n`` images of ``s`` tokens, ``heads`` heads
+    of ``d`` columns; q, k, v and the output are ``[n, s, heads · d]`` rows."""
+
+    n: int
+    s: int
+    heads: int
+    d: int
+    mask_n: int                  # the mask's images (1: shared, n: one row each; 0: no mask)
+
+    @property
+    def rows(self) -> int:
+        """Query rows per workgroup: every row of a head when the grid already has 8 heads
+        to share out, else fewer (K and V are packed again by each workgroup of a head)."""
+        split = max(1, -(-8 // (self.n * self.heads)))
+        return -(-self.s // split)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.s // self.rows)
+
+    @property
+    def size(self) -> int:
+        return self.n * self.s * self.heads * self.d
+
+
+def attention_fits(s: int, d: int) -> str | None:
+    """``None`` when the kernel's stack buffers hold a head of ``s`` keys of ``d`` columns,
+    else why not."""
+    if d % 4 or d > ATTN_MAX_D:
+        return f"head size {d} is not a multiple of 4 up to {ATTN_MAX_D}"
+    if s > ATTN_MAX_S or (-(-s // 16) * 16) * (-(-d // 16) * 16) > ATTN_MAX_SD:
+        return f"{s} keys of {d} columns exceed the kernel's stack buffers"
+    return None
+
+
+def pack_attention_params(a: AttentionShape, flips: tuple[bool, bool, bool],
+                          zps: tuple[int, int, int, int], mask_lo: int,
+                          rq1: tuple[int, ...], softmax: tuple[int, ...], rq2: tuple[int, ...],
+                          mask_table: np.ndarray | None, exp_table: np.ndarray, *,
+                          scores_signed: bool = False, vbmi: bool | None = None) -> np.ndarray:
+    """``qk_attention_u8``'s params: the header (shape, operand flips to u8 q / s8 k, v, the
+    zero points after them, the scores' requantize ``(bias, m, shift, zp, lo, hi)``, the
+    softmax ``(M, zp, lo, hi)`` and the output requantize), then the mask table ``[4, 256]``
+    and the softmax's exp table ``[256]`` as i32, then the same as bytes for hosts with
+    AVX-512 VBMI (``vbmi``, default: this host): the mask table's codes and the exp table's
+    three byte planes. Without a mask, row 2 (mask 1) of an identity table is read.
+    ``scores_signed``: the softmax's input codes are s8."""
+    ld = a.heads * a.d
+
+    def narrow(rq: tuple[int, ...], terms: int) -> int:
+        """The requantize ``(bias, m, shift, ...)`` in 32-bit lanes (:func:`narrow_epilogue`),
+        its accumulator a sum of ``terms`` products of two centred int8 codes."""
+        one = lambda x: np.asarray([x], np.int64)  # noqa: E731
+        return int(narrow_epilogue(one(rq[0]), one(rq[1]), one(0), one(rq[2]),
+                                   terms * 255 * 255))
+
+    h = np.zeros(ATTN_HEADER, np.int64)
+    h[:38] = [a.s, a.heads, a.d, ld, ld, ld, ld, a.rows, *map(int, flips), *zps,
+              int(mask_table is not None), a.mask_n, mask_lo, *rq1, *softmax, *rq2,
+              narrow(rq1, a.d), narrow(rq2, a.s),
+              int(host_has_vbmi() if vbmi is None else vbmi), int(scores_signed)]
+    if mask_table is None:
+        mask_table = np.tile(np.arange(256, dtype=np.int64) + mask_lo, (4, 1))
+    mt = np.asarray(mask_table, np.int64).reshape(-1)
+    et = np.asarray(exp_table, np.int64).reshape(-1)
+    tables = np.concatenate([mt, et]).astype(np.int32)
+    planes = [(et >> (8 * i)) & 255 for i in range(3)]
+    as_bytes = np.concatenate([mt & 255, *planes]).astype(np.uint8)
+    return np.concatenate([h, tables.view(np.int64), as_bytes.view(np.int64)])
+
+
+def host_has_vbmi() -> bool:
+    """Whether the host has AVX-512 VBMI (the attention kernel's byte-table lookups)."""
+    try:
+        return "avx512vbmi" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def attention_executable_mlir(name: str, obj: Path, a: AttentionShape, nmask: int,
+                              nparams: int, target: str, entry: str) -> str:
+    """The ``hal.executable`` of :data:`ATTN_SYMBOL`: bindings (q, k, v, mask i64, params, y),
+    workgroups (heads, row chunks, N)."""
+    ins = [("i8", a.size), ("i8", a.size), ("i8", a.size), ("i64", nmask), ("i64", nparams)]
+    return _executable(name, obj, ins, ("i8", a.size), [0, 1, 2, 3, 4, 5], ATTN_SYMBOL,
+                       (a.heads, a.chunks, a.n), target, entry)
 
 
 def _executable(name: str, obj: Path, ins: list[tuple[str, int]], out: tuple[str, int],

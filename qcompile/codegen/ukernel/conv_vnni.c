@@ -411,3 +411,385 @@ void qk_linear_multi(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo
   const int64_t* s = d + M_DIR + i * M_ENTRY;
   conv_chunk(xb, xo, wb, wo + s[2], pb, po + s[1], 0, 0, 0, yb, yo + s[3], blk - s[0], chunk, n);
 }
+
+// Fused int8 attention of one head: S = Q·Kᵀ (i32) → requantize → mask table → int8 softmax →
+// P·V (i32) → requantize, each step exactly as qcompile's reference (qmath.requantize, the
+// MASK_LUT table, qmath.softmax_codes). q, k, v are [N, S, H·D] rows (a head's D columns start
+// at head·D), the mask [N or 1, S] (i64, clamped to -1..2 to pick a table row), the output
+// [N, S, H·D] like q: the head split and merge permutes are only addressing here. One call
+// computes A_ROWS query rows of one head of image n; the head's K and V are packed on the stack
+// (K as [S/16][D/4][16][4] s8, V as [S/4][D][4] s8) with their column sums.
+//   scores: sum (q - zq)(k - zk) = sum q·k' - zk'·sum q - zq·sum k' + D zq zk'  (k' = k - 128)
+//   P·V:    sum (p - zp)(v - zv) = sum p·v' - zv'·sum p - zp·sum v' + S zp zv'
+// The softmax's quotient floor((2 e M + t 2^16) / (t 2^17)) is a float64 product with the
+// reciprocal, corrected by one remainder test; every float64 step there is exact (integers
+// below 2^53; the remainder by a fused multiply-subtract).
+enum {
+  A_S, A_H, A_D, A_LDQ, A_LDK, A_LDV, A_LDO, A_ROWS, A_QFLIP, A_KFLIP, A_VFLIP,
+  A_ZQ, A_ZK, A_ZV, A_ZP, A_MASK, A_MASKN, A_CLO,
+  A_B1, A_M1, A_S1, A_Z1, A_LO1, A_HI1,
+  A_SM, A_SZ, A_SLO, A_SHI,
+  A_B2, A_M2, A_S2, A_Z2, A_LO2, A_HI2,
+  A_NARROW1, A_NARROW2, A_VBMI, A_SIGNED1,
+  A_HEADER = 40
+};
+#define A_MAXS 512
+#define A_MAXSD 16384
+
+INLINE __m512i rq8_scalar(__m512i v, const int64_t* p) {   // p: bias, m, shift, zp, lo, hi
+  __m512i t = _mm512_mullo_epi64(_mm512_add_epi64(v, _mm512_set1_epi64(p[0])),
+                                 _mm512_set1_epi64(p[1]));
+  t = _mm512_add_epi64(t, _mm512_set1_epi64((int64_t)1 << (p[2] - 1)));
+  t = _mm512_sra_epi64(t, _mm_cvtsi64_si128(p[2]));
+  t = _mm512_add_epi64(t, _mm512_set1_epi64(p[3]));
+  t = _mm512_max_epi64(t, _mm512_set1_epi64(p[4]));
+  return _mm512_min_epi64(t, _mm512_set1_epi64(p[5]));
+}
+
+// qmath.requantize of 16 i32 accumulators with one (per-tensor) term: i32 codes. `narrow`
+// (pack_attention_params: every acc + bias fits in i32, m < 2^31, shift >= 33): the products
+// by vpmuldq and only their high halves on, as store16_narrow does.
+INLINE __m512i rq16_scalar(__m512i acc, const int64_t* p, int narrow) {
+  if (narrow) {
+    const __m512i v = _mm512_add_epi32(acc, _mm512_set1_epi32((int32_t)p[0]));
+    const __m512i m = _mm512_set1_epi64(p[1]);
+    __m512i pe = _mm512_mul_epi32(v, m);
+    __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), m);
+    __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
+    t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)1 << (p[2] - 33)));
+    t = _mm512_sra_epi32(t, _mm_cvtsi64_si128(p[2] - 32));
+    t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)p[3]));
+    t = _mm512_max_epi32(t, _mm512_set1_epi32((int32_t)p[4]));
+    return _mm512_min_epi32(t, _mm512_set1_epi32((int32_t)p[5]));
+  }
+  __m512i lo = rq8_scalar(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc)), p);
+  __m512i hi = rq8_scalar(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1)), p);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(lo)),
+                            _mm512_cvtepi64_epi32(hi), 1);
+}
+
+// 8 softmax codes from table entries e (i32): zp + floor((2 e M + base) / den), clamped
+INLINE __m256i softmax8(__m256i e, __m512d m2, __m512d base, __m512d den, __m512d inv,
+                        __m512d zp, __m512d lo, __m512d hi) {
+  const __m512d num = _mm512_fmadd_pd(_mm512_cvtepi32_pd(e), m2, base);     // exact
+  __m512d q = _mm512_roundscale_pd(_mm512_mul_pd(num, inv),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512d r = _mm512_fmsub_pd(q, den, num);        // q·den - num, exact
+  const __m512d one = _mm512_set1_pd(1.0), zero = _mm512_setzero_pd();
+  q = _mm512_mask_sub_pd(q, _mm512_cmp_pd_mask(r, zero, _CMP_GT_OQ), q, one);
+  q = _mm512_mask_add_pd(q, _mm512_cmp_pd_mask(_mm512_add_pd(r, den), zero, _CMP_LE_OQ), q,
+                         one);
+  q = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(q, zp), lo), hi);
+  return _mm512_cvtpd_epi32(q);
+}
+
+INLINE __mmask16 live16(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+// The mask lookups and the softmax's exp entries of one row of scores (`row`: the i32 codes
+// the first requantize gives, keys past S ignored): row[j] becomes e_j, and the sum of e
+// is returned. Two forms with the same result: vpgatherdd from the i32 tables, and (hosts
+// with AVX-512 VBMI, A_VBMI) 256-entry byte tables by two vpermt2b and a blend on the index's
+// top bit, 64 keys at a time, the 22-bit exp entries as three byte planes.
+static int64_t row_exp_gather(int32_t* row, const int32_t* offs, const int32_t* mtab,
+                              const int32_t* etab, int64_t s, int64_t sp) {
+  __m512i vmax = _mm512_set1_epi32(INT32_MIN);
+  for (int64_t jb = 0; jb < sp; jb += 16) {
+    __m512i c = _mm512_i32gather_epi32(_mm512_add_epi32(
+        _mm512_load_si512((const void*)(row + jb)), _mm512_load_si512((const void*)(offs + jb))),
+        (const void*)mtab, 4);
+    _mm512_store_si512((void*)(row + jb), c);
+    vmax = _mm512_mask_max_epi32(vmax, live16(s - jb), vmax, c);
+  }
+  const __m512i mx = _mm512_set1_epi32(_mm512_reduce_max_epi32(vmax));
+  __m512i tot = _mm512_setzero_si512();      // at most S/16 entries of 2^22 per lane
+  for (int64_t jb = 0; jb < sp; jb += 16) {
+    __m512i dist = _mm512_sub_epi32(mx, _mm512_load_si512((const void*)(row + jb)));
+    __m512i e = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live16(s - jb), dist,
+                                            (const void*)etab, 4);
+    _mm512_store_si512((void*)(row + jb), e);
+    tot = _mm512_add_epi32(tot, e);
+  }
+  return _mm512_reduce_add_epi32(tot);
+}
+
+__attribute__((target("avx512vbmi"))) static inline __m512i lut256(__m512i idx,
+                                                                     const uint8_t* t) {
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void*)t), idx,
+                                              _mm512_loadu_si512((const void*)(t + 64)));
+  const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void*)(t + 128)), idx,
+                                              _mm512_loadu_si512((const void*)(t + 192)));
+  return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
+}
+
+// bytes: the mask tables [4][256] (codes), the exp table's three planes [3][256]; rowid[j] the
+// key's mask-table row, zero past S; `lo` the scores' dtype low end
+__attribute__((target("avx512vbmi"))) static int64_t row_exp_vbmi(
+    int32_t* row, const uint8_t* rowid, const uint8_t* tables, int64_t lo, int is_signed,
+    int64_t s, int64_t sp) {
+  uint8_t codes[A_MAXS] __attribute__((aligned(64)));
+  const int64_t s64 = (sp + 63) & ~(int64_t)63;
+  __m512i vmax = _mm512_set1_epi8(is_signed ? (char)-128 : 0);
+  const __m512i vlo = _mm512_set1_epi32((int32_t)lo);
+  for (int64_t j = 0; j < s64; j += 64) {
+    __m512i idx = _mm512_setzero_si512();
+    for (int u = 0; u < 4 && j + 16 * u < sp; ++u) {
+      const __m128i b = _mm512_cvtepi32_epi8(_mm512_sub_epi32(
+          _mm512_load_si512((const void*)(row + j + 16 * u)), vlo));
+      idx = _mm512_inserti32x4(idx, b, u);     // (lane u in the 4 × 128-bit lanes)
+    }
+    const __m512i rid = _mm512_load_si512((const void*)(rowid + j));
+    __m512i c = _mm512_setzero_si512();
+    for (int r = 0; r < 4; ++r) {
+      const __mmask64 m = _mm512_cmpeq_epi8_mask(rid, _mm512_set1_epi8((char)r));
+      if (m) c = _mm512_mask_mov_epi8(c, m, lut256(idx, tables + 256 * r));
+    }
+    _mm512_store_si512((void*)(codes + j), c);
+    const int64_t left = s - j;
+    const __mmask64 live = left >= 64 ? ~(__mmask64)0 : left <= 0 ? 0
+                           : (((__mmask64)1 << left) - 1);
+    vmax = is_signed ? _mm512_mask_max_epi8(vmax, live, vmax, c)
+                     : _mm512_mask_max_epu8(vmax, live, vmax, c);
+  }
+  // the row max: reduce the 64 bytes
+  __m256i m256 = is_signed ? _mm256_max_epi8(_mm512_castsi512_si256(vmax),
+                                             _mm512_extracti64x4_epi64(vmax, 1))
+                           : _mm256_max_epu8(_mm512_castsi512_si256(vmax),
+                                             _mm512_extracti64x4_epi64(vmax, 1));
+  __m128i m128 = is_signed ? _mm_max_epi8(_mm256_castsi256_si128(m256),
+                                          _mm256_extracti128_si256(m256, 1))
+                           : _mm_max_epu8(_mm256_castsi256_si128(m256),
+                                          _mm256_extracti128_si256(m256, 1));
+  uint8_t mb[16];
+  _mm_storeu_si128((__m128i*)mb, m128);
+  int mxv = is_signed ? (int8_t)mb[0] : mb[0];
+  for (int i = 1; i < 16; ++i) {
+    const int x = is_signed ? (int8_t)mb[i] : mb[i];
+    mxv = x > mxv ? x : mxv;
+  }
+  const __m512i mx = _mm512_set1_epi8((char)mxv);
+  const uint8_t* e0 = tables + 4 * 256;
+  __m512i tot = _mm512_setzero_si512();
+  for (int64_t j = 0; j < s64; j += 64) {
+    const __m512i dist = _mm512_sub_epi8(mx, _mm512_load_si512((const void*)(codes + j)));
+    const __m512i b0 = lut256(dist, e0), b1 = lut256(dist, e0 + 256),
+                  b2 = lut256(dist, e0 + 512);
+    for (int u = 0; u < 4 && j + 16 * u < sp; ++u) {
+      __m512i e = _mm512_or_si512(
+          _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(b0, u)),
+          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(b1, u)), 8));
+      e = _mm512_or_si512(e, _mm512_slli_epi32(
+          _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(b2, u)), 16));
+      e = _mm512_maskz_mov_epi32(live16(s - j - 16 * u), e);
+      _mm512_store_si512((void*)(row + j + 16 * u), e);
+      tot = _mm512_add_epi32(tot, e);
+    }
+  }
+  return _mm512_reduce_add_epi32(tot);
+}
+
+void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t ko,
+                     const uint8_t* vb, int64_t vo, const int64_t* mb, int64_t mo,
+                     const int64_t* pb, int64_t po, uint8_t* yb, int64_t yo, int64_t head,
+                     int64_t chunk, int64_t n) {
+  const int64_t* h = pb + po;
+  const int64_t s = h[A_S], d = h[A_D], quads = d >> 2;
+  const int64_t sp = (s + 15) & ~(int64_t)15;      // keys padded to 16 (score vectors)
+  const int64_t s4 = (s + 3) & ~(int64_t)3;        // keys padded to 4 (P·V quads)
+  const int64_t dp = (d + 15) & ~(int64_t)15;      // output columns padded to 16
+  const int32_t* mtab = (const int32_t*)(h + A_HEADER);
+  const int32_t* etab = mtab + 4 * 256;
+  const int64_t ldk = h[A_LDK], ldv = h[A_LDV];
+  const uint8_t* q = qb + qo + n * s * h[A_LDQ] + head * d;
+  const uint8_t* k = kb + ko + n * s * ldk + head * d;
+  const uint8_t* v = vb + vo + n * s * ldv + head * d;
+  uint8_t* y = yb + yo + n * s * h[A_LDO] + head * d;
+  const uint32_t qx = h[A_QFLIP] ? 0x80808080u : 0, kx = h[A_KFLIP] ? 0x80808080u : 0;
+  const __m128i vx = _mm_set1_epi8(h[A_VFLIP] ? (char)0x80 : 0);
+  const int n1 = (int)h[A_NARROW1], n2 = (int)h[A_NARROW2];
+  int8_t kp[A_MAXSD] __attribute__((aligned(64)));
+  int8_t vp[A_MAXSD] __attribute__((aligned(64)));
+  int32_t colk[A_MAXS] __attribute__((aligned(64)));
+  int32_t offs[A_MAXS] __attribute__((aligned(64)));
+  int32_t row[A_MAXS] __attribute__((aligned(64)));
+  uint8_t prow[A_MAXS] __attribute__((aligned(64)));
+  int32_t colv[128] __attribute__((aligned(64)));
+  const __m512i ones = _mm512_set1_epi8(1);
+  // K: k' = k - 128 (s8) per dword of 4 columns, keys past S zero; its column sums by vpdpbusd
+  for (int64_t j = 0; j < sp; ++j) {
+    int8_t* dst = kp + ((j >> 4) * quads << 6) + ((j & 15) << 2);
+    for (int64_t t = 0; t < quads; ++t) {
+      uint32_t w = 0;
+      if (j < s) {
+        __builtin_memcpy(&w, k + j * ldk + 4 * t, 4);
+        w ^= kx;
+      }
+      __builtin_memcpy(dst + (t << 6), &w, 4);
+    }
+  }
+  for (int64_t jb = 0; jb < sp; jb += 16) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t t = 0; t < quads; ++t)
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_load_si512((const void*)(
+          kp + (((jb >> 4) * quads + t) << 6))));
+    _mm512_store_si512((void*)(colk + jb), acc);
+  }
+  // V: v' = v - 128 (s8), [S/4][dp][4] (4 keys interleaved per column), and its column sums
+  for (int64_t jq = 0; jq < s4; jq += 4)
+    for (int64_t c = 0; c < dp; c += 16) {
+      const __mmask16 cm = live16(d - c);
+      __m128i r[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = jq + i < s ? _mm_xor_si128(_mm_maskz_loadu_epi8(cm, v + (jq + i) * ldv + c), vx)
+                          : _mm_setzero_si128();
+      for (int i = 0; i < 4; ++i) r[i] = _mm_maskz_mov_epi8(cm, r[i]);
+      const __m128i a = _mm_unpacklo_epi8(r[0], r[1]), b = _mm_unpackhi_epi8(r[0], r[1]);
+      const __m128i e = _mm_unpacklo_epi8(r[2], r[3]), f = _mm_unpackhi_epi8(r[2], r[3]);
+      __m128i* dst = (__m128i*)(vp + jq * dp + 4 * c);
+      _mm_store_si128(dst, _mm_unpacklo_epi16(a, e));
+      _mm_store_si128(dst + 1, _mm_unpackhi_epi16(a, e));
+      _mm_store_si128(dst + 2, _mm_unpacklo_epi16(b, f));
+      _mm_store_si128(dst + 3, _mm_unpackhi_epi16(b, f));
+    }
+  for (int64_t c = 0; c < dp; c += 16) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t jq = 0; jq < s4; jq += 4)
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_load_si512((const void*)(
+          vp + jq * dp + 4 * c)));
+    _mm512_store_si512((void*)(colv + c), acc);
+  }
+  // each key's mask-table row (the scores' codes index it from the dtype's low end)
+  const int64_t* mask = mb + mo + (h[A_MASKN] > 1 ? n * s : 0);
+  uint8_t rowid[A_MAXS] __attribute__((aligned(64)));
+  for (int64_t j = 0; j < A_MAXS; ++j) {
+    int64_t r = 2;                      // no mask: row 2 (mask 1) is the identity
+    if (h[A_MASK] && j < s) r = (mask[j] < -1 ? -1 : mask[j] > 2 ? 2 : mask[j]) + 1;
+    if (j < sp) offs[j] = (int32_t)(r * 256 - h[A_CLO]);
+    rowid[j] = (uint8_t)r;
+  }
+  const int vbmi = (int)h[A_VBMI];
+  const uint8_t* btab = (const uint8_t*)(etab + 256);    // the byte tables (A_VBMI)
+  const int64_t zq = h[A_ZQ], zk = h[A_ZK], zv = h[A_ZV], zp = h[A_ZP];
+  const __m512d m2 = _mm512_set1_pd((double)(2 * h[A_SM]));
+  const __m512d szp = _mm512_set1_pd((double)h[A_SZ]);
+  const __m512d slo = _mm512_set1_pd((double)h[A_SLO]), shi = _mm512_set1_pd((double)h[A_SHI]);
+  const int64_t nv = dp >> 4;
+  const int64_t r0 = chunk * h[A_ROWS];
+  const int64_t r1 = r0 + h[A_ROWS] < s ? r0 + h[A_ROWS] : s;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* qr = q + r * h[A_LDQ];
+    uint32_t qw[32];
+    int32_t sumq = 0;
+    for (int64_t t = 0; t < quads; ++t) {
+      uint32_t w;
+      __builtin_memcpy(&w, qr + 4 * t, 4);
+      qw[t] = w ^ qx;
+      sumq += (int32_t)(qw[t] & 255) + (int32_t)((qw[t] >> 8) & 255) +
+              (int32_t)((qw[t] >> 16) & 255) + (int32_t)(qw[t] >> 24);
+    }
+    const __m512i rowc = _mm512_set1_epi32((int32_t)(d * zq * zk - zk * sumq));
+    const __m512i vzq = _mm512_set1_epi32((int32_t)zq);
+    // four key blocks at a time: four independent vpdpbusd chains
+    for (int64_t jb0 = 0; jb0 < sp; jb0 += 64) {
+      const int nb = sp - jb0 >= 64 ? 4 : (int)((sp - jb0) >> 4);
+      __m512i acc[4];
+      for (int u = 0; u < 4; ++u) acc[u] = _mm512_setzero_si512();
+      const int8_t* kb16 = kp + ((jb0 >> 4) * quads << 6);
+      if (nb == 4) {
+        for (int64_t t = 0; t < quads; ++t) {
+          const __m512i qv = _mm512_set1_epi32((int32_t)qw[t]);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u)
+            acc[u] = _mm512_dpbusd_epi32(acc[u], qv, _mm512_load_si512((const void*)(
+                kb16 + ((u * quads + t) << 6))));
+        }
+      } else {
+        for (int64_t t = 0; t < quads; ++t) {
+          const __m512i qv = _mm512_set1_epi32((int32_t)qw[t]);
+          for (int u = 0; u < nb; ++u)
+            acc[u] = _mm512_dpbusd_epi32(acc[u], qv, _mm512_load_si512((const void*)(
+                kb16 + ((u * quads + t) << 6))));
+        }
+      }
+      for (int u = 0; u < nb; ++u) {
+        const int64_t jb = jb0 + 16 * u;
+        __m512i a = _mm512_add_epi32(acc[u], rowc);
+        a = _mm512_sub_epi32(a, _mm512_mullo_epi32(vzq, _mm512_load_si512(
+            (const void*)(colk + jb))));
+        _mm512_store_si512((void*)(row + jb), rq16_scalar(a, h + A_B1, n1));
+      }
+    }
+    const int64_t total = vbmi ? row_exp_vbmi(row, rowid, btab, h[A_CLO], (int)h[A_SIGNED1], s,
+                                              sp)
+                               : row_exp_gather(row, offs, mtab, etab, s, sp);
+    const __m512d base = _mm512_set1_pd((double)(total << 16));
+    const __m512d den = _mm512_set1_pd((double)(total << 17));
+    const __m512d inv = _mm512_set1_pd(1.0 / (double)(total << 17));
+    __m512i psum = _mm512_setzero_si512();
+    for (int64_t jb = 0; jb < sp; jb += 16) {
+      __m512i e = _mm512_load_si512((const void*)(row + jb));
+      __m256i lo = softmax8(_mm512_castsi512_si256(e), m2, base, den, inv, szp, slo, shi);
+      __m256i hi = softmax8(_mm512_extracti64x4_epi64(e, 1), m2, base, den, inv, szp, slo, shi);
+      __m512i p = _mm512_maskz_mov_epi32(live16(s - jb), _mm512_inserti64x4(
+          _mm512_castsi256_si512(lo), hi, 1));
+      psum = _mm512_add_epi32(psum, p);
+      _mm_store_si128((__m128i*)(prow + jb), _mm512_cvtepi32_epi8(p));
+    }
+    const int32_t sump = _mm512_reduce_add_epi32(psum);
+    // P·V with 4 sets of accumulators over the key quads (independent vpdpbusd chains);
+    // prow is zero from S to the next multiple of 16, vp to the next multiple of 4
+    __m512i acc[8];
+    for (int64_t c = 0; c < nv; ++c) acc[c] = _mm512_setzero_si512();
+    if (nv <= 2) {
+      __m512i ac[4][2];
+      for (int u = 0; u < 4; ++u) ac[u][0] = ac[u][1] = _mm512_setzero_si512();
+      int64_t jq = 0;
+      for (; jq + 16 <= s4; jq += 16)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          int32_t w;
+          __builtin_memcpy(&w, prow + jq + 4 * u, 4);
+          const __m512i pw = _mm512_set1_epi32(w);
+          const int8_t* vq = vp + (jq + 4 * u) * dp;
+          ac[u][0] = _mm512_dpbusd_epi32(ac[u][0], pw, _mm512_load_si512((const void*)vq));
+          if (nv == 2)
+            ac[u][1] = _mm512_dpbusd_epi32(ac[u][1], pw, _mm512_load_si512((const void*)(
+                vq + 64)));
+        }
+      for (; jq < s4; jq += 4) {
+        int32_t w;
+        __builtin_memcpy(&w, prow + jq, 4);
+        const __m512i pw = _mm512_set1_epi32(w);
+        const int8_t* vq = vp + jq * dp;
+        ac[0][0] = _mm512_dpbusd_epi32(ac[0][0], pw, _mm512_load_si512((const void*)vq));
+        if (nv == 2)
+          ac[0][1] = _mm512_dpbusd_epi32(ac[0][1], pw, _mm512_load_si512((const void*)(
+              vq + 64)));
+      }
+      for (int64_t c = 0; c < nv; ++c)
+        acc[c] = _mm512_add_epi32(_mm512_add_epi32(ac[0][c], ac[1][c]),
+                                  _mm512_add_epi32(ac[2][c], ac[3][c]));
+    } else {
+      for (int64_t jq = 0; jq < s4; jq += 4) {
+        int32_t w;
+        __builtin_memcpy(&w, prow + jq, 4);
+        const __m512i pw = _mm512_set1_epi32(w);
+        const int8_t* vq = vp + jq * dp;
+        for (int64_t c = 0; c < nv; ++c)
+          acc[c] = _mm512_dpbusd_epi32(acc[c], pw, _mm512_load_si512((const void*)(
+              vq + 64 * c)));
+      }
+    }
+    const __m512i pc = _mm512_set1_epi32((int32_t)(s * zp * zv - zv * sump));
+    const __m512i vzp = _mm512_set1_epi32((int32_t)zp);
+    uint8_t* yr = y + r * h[A_LDO];
+    for (int64_t c = 0; c < nv; ++c) {
+      __m512i a = _mm512_add_epi32(acc[c], pc);
+      a = _mm512_sub_epi32(a, _mm512_mullo_epi32(vzp, _mm512_load_si512((const void*)(
+          colv + 16 * c))));
+      __m512i o = rq16_scalar(a, h + A_B2, n2);
+      _mm_mask_storeu_epi8((void*)(yr + 16 * c), live16(d - 16 * c), _mm512_cvtepi32_epi8(o));
+    }
+  }
+}
