@@ -21,8 +21,8 @@ _NAME = re.compile(r'"qir(\d+)(\.copy)?"')
 _REF = re.compile(r"#loc\d*\b")
 _EXEC = re.compile(r"^  flow\.executable private @(\w+) \{$", re.M)
 # the VNNI conv microkernel's executables are named by their chain (emit_ukernel.emit)
-_UKERNEL = re.compile(r"^  hal\.executable private @(qk_(?:conv|matmul|quant|mlin)_(\d+(?:_\d+)+))"
-                      r" \{$", re.M)
+_UKERNEL = re.compile(r"^  hal\.executable private "
+                      r"@(qk_(?:conv|matmul|quant|mlin|attn)_(\d+(?:_\d+)+)) \{$", re.M)
 _DISPATCH = re.compile(r"flow\.dispatch @(\w+)::(?:@\w+::)?@(\w+)\(([^)]*)\) : (.*)$", re.M)
 # the ops that compute: a linalg.generic (its location follows its region) or a slice copy;
 # constants, fills and empties are CSE'd across chains and keep whichever location came first
