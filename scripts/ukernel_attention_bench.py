@@ -64,7 +64,7 @@ def build(source: Path, tmp: Path) -> ctypes.CDLL:
     drv = tmp / "driver.c"
     drv.write_text(DRIVER)
     so = tmp / f"{source.stem}-{abs(hash(source.read_bytes()))}.so"
-    flags = [f for f in ukernel.CFLAGS if f != "-c"]
+    flags = [f for f in ukernel.cflags() if f != "-c"]
     subprocess.run(["gcc", *flags, "-shared", str(source), str(drv), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     lib.drive.restype = None

@@ -72,18 +72,20 @@ SHAPES = {
 OUTPUTS = [(-3, -128, 127), (100, 0, 255), (-10, -10, 127), (20, 20, 255), (5, 0, 200)]
 
 
-def build(source: Path, tmp: Path) -> ctypes.CDLL:
+def build(source: Path, tmp: Path, flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """The kernel and the driver as a shared library (``flags``: gcc's, default the kernel
+    object's on this host)."""
     drv = tmp / "driver.c"
     drv.write_text(DRIVER)
-    so = tmp / f"{source.stem}-{abs(hash(source.read_bytes()))}.so"
-    flags = [f for f in ukernel.CFLAGS if f != "-c"]
+    flags = [f for f in (flags or ukernel.cflags()) if f != "-c"]
+    so = tmp / f"{source.stem}-{abs(hash(source.read_bytes() + ' '.join(flags).encode()))}.so"
     subprocess.run(["gcc", *flags, "-shared", str(source), str(drv), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     lib.drive.restype = None
     return lib
 
 
-def layer(name, spec, out, rng, *, wide=False):
+def layer(name, spec, out, rng, *, wide=False, lut=False):
     n, h, w, c, f, k, s, p, res = spec
     cp = ukernel.padded_channels(c)
     hp, wp = h + 2 * p, w + 2 * p
@@ -110,8 +112,11 @@ def layer(name, spec, out, rng, *, wide=False):
     zres = 5
     shp = ukernel.ConvShape(n, hp, wp, cp, f, k, k, s, s, 1, 1, oh, ow)
     zout, qmin, qmax = out
+    lo = -128 if qmax <= 127 else 0           # the output dtype's low end
+    table = rng.integers(lo, lo + 256, 256).astype(np.int64) if lut else None
     params = ukernel.pack_params(shp, bias, m0, shift, zout, qmin, qmax, m1=m1, res_zp=zres,
-                                 res_signed=False, acc_bound=2**31 if wide else None)
+                                 res_signed=False, acc_bound=2**31 if wide else None,
+                                 lut=table, lut_lo=lo)
     r = rng.integers(0, 256, (n, oh, ow, f), dtype=np.uint8) if res else np.zeros(1, np.uint8)
     # numpy reference
     cols = np.stack([x[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s, :]
@@ -122,6 +127,8 @@ def layer(name, spec, out, rng, *, wide=False):
     if res:
         t = t + (r.astype(np.int64) - zres) * m1
     ref = np.clip(((t + (np.int64(1) << (shift - 1))) >> shift) + zout, qmin, qmax)
+    if lut:
+        ref = table[ref - lo]
     ref = ref.astype(np.int64).astype(np.uint8).view(np.int8)
     macs = n * oh * ow * f * k * k * c
     return dict(x=x, w=ukernel.pack_weights(wv), p=params, r=r, shp=shp, ref=ref, macs=macs)

@@ -54,8 +54,10 @@ def _rq(dtype: DType = DType.U8) -> Requant:
     return Requant((Term(0, (1 << 30,)),), (40,), 0, lo, hi, dtype)
 
 
-def _attention_graph(*, axis: int = 3, heads: int = 2, d: int = 8, s: int = 6) -> Graph:
-    """q·kᵀ → requant → softmax(axis) → ·v → requant → head merge, on one [1, S, H·D] tensor."""
+def _attention_graph(*, axis: int = 3, heads: int = 2, d: int = 8, s: int = 6,
+                     scores_table: bool = False) -> Graph:
+    """q·kᵀ → requant → [a table] → softmax(axis) → ·v → requant → head merge, on one
+    [1, S, H·D] tensor."""
     x = node(Op.INPUT, DType.U8, (1, s, heads * d), name="x")
     split = node(Op.RESHAPE, DType.U8, (1, s, heads, d), x, shape=(1, s, heads, d))
     q = node(Op.PERMUTE, DType.U8, (1, heads, s, d), split, dims=(0, 2, 1, 3))
@@ -63,7 +65,9 @@ def _attention_graph(*, axis: int = 3, heads: int = 2, d: int = 8, s: int = 6) -
     qk = node(Op.QMATMUL, DType.I32, (1, heads, s, s), q, kt, a_zp=3, b_zp=5)
     rq1 = node(Op.REQUANT, DType.U8, qk.shape, qk, rq=_rq())
     table = np.arange(256, dtype=np.int64)[::-1].copy()
-    sm = node(Op.QSOFTMAX, DType.U8, qk.shape, rq1, axis=axis, m=1 << 24, zp=0,
+    scores = node(Op.LUT, DType.U8, qk.shape, rq1, fn="scale", table=table) \
+        if scores_table else rq1
+    sm = node(Op.QSOFTMAX, DType.U8, qk.shape, scores, axis=axis, m=1 << 24, zp=0,
               range=(0, 255), table=table)
     pv = node(Op.QMATMUL, DType.I32, (1, heads, s, d), sm, q, a_zp=0, b_zp=3)
     rq2 = node(Op.REQUANT, DType.U8, pv.shape, pv, rq=_rq())
@@ -93,3 +97,9 @@ def test_attention_chains__heads_too_large_for_the_kernel_say_so():
     g = _attention_graph(d=130)
     chains, why = emit_ukernel.attention_chains(g, g.users())
     assert chains == {} and list(why) == ["head size 130 is not a multiple of 4 up to 128"]
+
+
+def test_attention_chains__scores_through_another_table_keep_the_stock_lowering():
+    g = _attention_graph(scores_table=True)
+    chains, why = emit_ukernel.attention_chains(g, g.users())
+    assert chains == {} and why == {"scores are not one per-tensor requantize": 1}

@@ -79,6 +79,28 @@ def test_microkernel_epilogues__narrow_and_wide_bit_exact_on_every_output_range(
     assert folded == [w and not n.endswith("62") for w, n in zip(want, names * 2, strict=True)]
 
 
+@needs_vnni
+@pytest.mark.parametrize("vbmi", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not ukernel.host_has_vbmi(), reason="needs AVX-512 VBMI"))])
+def test_microkernel_table_epilogue__bit_exact_narrow_and_wide(tmp_path, vbmi):
+    """A 256-entry table after the requantize (H_LUT: GELU after FFN in), looked up by
+    vpermt2b (objects built for AVX-512 VBMI) or vpgatherdd, on s8 and u8 outputs, clamped
+    narrower, with a residual, narrow and wide epilogues."""
+    flags = ukernel.BASE_CFLAGS + (("-mavx512vbmi",) if vbmi else ())
+    lib = kbench.build(ukernel.SOURCE, tmp_path, flags)
+    rng = np.random.default_rng(2)
+    names = ["56x56x144-24-1x1+res", "8x8x20-37-1x1-shift", "28x28x32-192-1x1",
+             "9x11x6-40-3x3s2+res", "14x14x384-64-1x1"]
+    for wide in (False, True):
+        for i, name in enumerate(names):
+            layer = kbench.layer(name, kbench.SHAPES[name], kbench.OUTPUTS[i % 5], rng,
+                                 wide=wide, lut=True)
+            assert layer["p"][ukernel.H_LUT] == 1
+            y, _ = kbench.run(lib, layer, 1)
+            np.testing.assert_array_equal(y.reshape(layer["ref"].shape).view(np.uint8),
+                                          layer["ref"].astype(np.uint8), err_msg=name)
+
+
 def test_narrow_epilogue__only_where_the_32_bit_form_is_exact():
     ok = dict(bias=np.array([5, -9]), m0=np.array([2**30, 2**31 - 1]), m1=np.zeros(2, int),
               shift=np.array([33, 62]), acc_bound=1000)
@@ -197,7 +219,7 @@ def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkey
     assert rep == {"used": False, "why": rep["why"], "chains": {"1": 0},
                    "lowered": [], "stock": {}, "narrow_epilogue": 0, "input_quantize": 0,
                    "shared_input_dispatches": 0, "float_epilogue": 0, "float_residual_adds": 0,
-                   "attention": 0}
+                   "attention": 0, "table_epilogue": 0}
     assert "no AVX-512 VNNI" in rep["why"]
     np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
         model.runner.modules[1].graph, x[:1].numpy())[0])

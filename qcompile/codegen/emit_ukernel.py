@@ -62,6 +62,7 @@ class UkCall:
     multi: tuple[int, int] | None = None    # linears sharing their input: (blocks, output size)
     members: tuple[str | None, ...] = ()    # their locations (one chain each)
     floating: bool = False           # a dequantize: f32 out (and f32 residual)
+    lut: bool = False                # stores the table of the elementwise op that follows
     attention: ukernel.AttentionShape | None = None   # a fused attention (qk_attention_u8)
     nmask: int = 0                   # its mask operand's elements
 
@@ -223,8 +224,10 @@ def _keys(x: Node) -> Node | None:
 
 def _single_rq(n: Node) -> bool:
     """A per-tensor requantize of one term onto int8."""
+    if n.op is not Op.REQUANT:
+        return False
     rq = n.attrs.rq
-    return n.op is Op.REQUANT and len(n.src) == 1 and len(rq.terms) == 1 and \
+    return len(n.src) == 1 and len(rq.terms) == 1 and \
         np.asarray(rq.terms[0].multiplier).size == 1 and np.asarray(rq.shift).size == 1 and \
         rq.out_dtype.is_int8 and 1 <= int(np.asarray(rq.shift).reshape(-1)[0]) <= 62
 
@@ -407,6 +410,7 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
                               rq_node.shape[1], rq_node.shape[2])
     nxt = _padded_reader(em, rq_node) if conv.op is Op.QCONV2D else None
+    lut = _lut_reader(em, rq_node)
     if nxt is not None:
         # written straight into the next conv's zero-point-padded input (the kernel writes
         # the border too): no pad copy between the two dispatches
@@ -417,6 +421,8 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
     if res is not None:
         extra = dict(m1=np.asarray(rq.terms[1].multiplier, np.int64),
                      res_zp=rq.terms[1].zero_point, res_signed=res.dtype is DType.I8)
+    if lut is not None:
+        extra |= dict(lut=np.asarray(lut.attrs.table), lut_lo=rq_node.dtype.range[0])
     params = ukernel.pack_params(s, bias, np.asarray(rq.terms[0].multiplier, np.int64),
                                  np.asarray(rq.shift), rq.zp_out, rq.qmin, rq.qmax, **extra)
     operands.append(b.constant(params, DType.I64))
@@ -424,9 +430,17 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         operands.append(_flat(res))
     prefix = PREFIX if conv.op is Op.QCONV2D else MATMUL_PREFIX
     name = f"{prefix}{em.ids[id(conv)]}_{em.ids[id(rq_node)]}"
-    out = _call(em, name, operands, s.out_size, rq_node.dtype)
+    out = _call(em, name, operands, s.out_size, lut.dtype if lut is not None else rq_node.dtype)
     em.uk_calls.append(UkCall(name, s, params.size, operands[1].shape[0], len(operands) == 4,
-                              conv.loc, narrow=bool(params[ukernel.H_NARROW])))
+                              conv.loc, narrow=bool(params[ukernel.H_NARROW]),
+                              lut=lut is not None))
+    if lut is not None:
+        # the kernel stores the table's entries: that is the LUT's value, and the requantize
+        # has no reader of its own
+        from qcompile.codegen.mlir_emit import Fused
+
+        em.values[id(lut)] = b.reshape(out, lut.shape)
+        return Fused(id(rq_node))  # type: ignore[return-value]
     if nxt is None:
         return b.reshape(out, rq_node.shape)
     pt, pl = s.out_pad
@@ -480,6 +494,20 @@ def _emit_linear_group(em: Emitter, lins: tuple[Node, ...], x: TV, zp: int) -> N
     for rq_node, off, size, _ in slices:
         piece = b.extract_slice(out, [off], [size], [1])
         em.uk_group_out[id(rq_node)] = b.reshape(piece, rq_node.shape)
+
+
+def _lut_reader(em: Emitter, rq_node: Node) -> Node | None:
+    """The 256-entry table lookup (``LUT``: GELU, hardswish, ... as tables) that is
+    ``rq_node``'s only reader, when ``rq_node`` is not a graph output: the kernel stores the
+    table's entries in its place."""
+    readers = em.users.get(id(rq_node), [])
+    if len(readers) != 1 or any(o is rq_node for o in em.graph.outputs):
+        return None
+    t = readers[0]
+    if t.op is not Op.LUT or t.src[0] is not rq_node or not t.dtype.is_int8 or \
+            np.asarray(t.attrs.table).size != 256:
+        return None
+    return t
 
 
 def _padded_reader(em: Emitter, rq_node: Node) -> Node | None:

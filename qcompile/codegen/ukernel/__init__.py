@@ -34,13 +34,22 @@ QUANT_SYMBOL = "qk_quantize_nchw"
 MULTI_SYMBOL = "qk_linear_multi"
 ATTN_SYMBOL = "qk_attention_u8"
 M_ENTRY = 4          # directory entry of a multi-linear call: first block, params, weights, out
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
-          "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
-          "-fno-asynchronous-unwind-tables", "-c")
+BASE_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
+               "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
+               "-fno-asynchronous-unwind-tables", "-c")
+
+
+def cflags() -> tuple[str, ...]:
+    """gcc's flags for the kernel object: AVX-512 VNNI, and VBMI where this host has it (the
+    epilogue's table lookups; an artifact only runs on the host CPU it was compiled for)."""
+    return BASE_CFLAGS + (("-mavx512vbmi",) if host_has_vbmi() else ())
+
+
 HEADER = 32
 H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue runs
 H_ZFOLD = 29        # header slot: the output zero point is folded into its rounding term
 H_FLOAT = 30        # header slot: a dequantize (f32 out, f32 residual)
+H_LUT = 31          # header slot: a 256-entry table applied to the requantized codes
 BLOCK = 64          # output channels per workgroup
 
 
@@ -59,14 +68,15 @@ def build_object() -> Path:
                            next="install gcc or set QCOMPILE_CC (the stock lowering is used "
                                 "otherwise)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((gcc, *CFLAGS)).encode()).hexdigest()[:16]
+    flags = cflags()
+    key = hashlib.sha256(src + " ".join((gcc, *flags)).encode()).hexdigest()[:16]
     out = cache_dir() / f"conv_vnni-{key}.o"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qcompile-uk-") as tmp:
         obj = Path(tmp) / "k.o"
-        proc = subprocess.run([gcc, *CFLAGS, str(SOURCE), "-o", str(obj)], capture_output=True,
+        proc = subprocess.run([gcc, *flags, str(SOURCE), "-o", str(obj)], capture_output=True,
                               text=True, check=False)
         if proc.returncode != 0:
             raise CompileError("cpu: gcc failed on the VNNI conv microkernel",
@@ -185,14 +195,17 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
                 res_zp: int = 0, res_signed: bool = False,
                 acc_bound: int | None = None,
                 dequant_scale: np.ndarray | None = None,
-                float_residual: bool = False) -> np.ndarray:
+                float_residual: bool = False, lut: np.ndarray | None = None,
+                lut_lo: int = 0) -> np.ndarray:
     """Header + per-channel i64 tables ``bias, m0, m1, add, shift`` (length ``fp`` each), then
     the tables of the narrow epilogue (see :func:`narrow_epilogue`).
 
     ``dequant_scale`` (float32 ``2^-sh`` per channel) makes it a dequantize: f32 out
     ``float32((acc + bias) * m0) * 2^-sh`` (plus an f32 residual), ``m0`` the scale's 24-bit
     significand (``qmath.scale_fixed``); the f32 table takes the narrow tables' place.
-    ``float_residual``: that f32 result plus an f32 residual operand.
+    ``float_residual``: that f32 result plus an f32 residual operand. ``lut``: the 256-entry
+    table of an elementwise op that reads the requantized codes (index ``code - lut_lo``), whose
+    entries the kernel stores instead (GELU's after FFN in).
 
     ``bias`` includes every term that is added to the accumulator before ``m0`` (folded zero
     points, minus the requant's own zero point of the accumulator term). ``acc_bound`` bounds
@@ -235,10 +248,11 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
         if zfold:
             round32 = round32 + np.int64(zout) * np.left_shift(np.int64(1), shift_c - 32)
     h = np.zeros(HEADER, np.int64)
-    h[:31] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+    h[:32] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
               int(m1 is not None or float_residual), int(res_signed), zout, qmin,
               qmax, s.n, s.wstride, s.chunk, *s.out_pad, s.out_fill, int(narrow), res_zp,
-              int(signed), int(clamp_lo), int(clamp_hi), int(zfold), int(floating)]
+              int(signed), int(clamp_lo), int(clamp_hi), int(zfold), int(floating),
+              int(lut is not None)]
     # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
     # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
     # rounding term 2^(s-33) (+ zp · 2^(s-32) where it folds); s - 32. Zeros where the wide
@@ -254,6 +268,11 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
         tables = [p.view(np.int64), np.zeros(6 * fp // 2, np.int64)]
     else:
         tables = [np.zeros(7 * fp // 2, np.int64)]
+    if lut is not None:
+        entries = np.asarray(lut, np.int64).reshape(-1)
+        assert entries.size == 256, "a table of every int8 code"
+        tables += [np.asarray([lut_lo], np.int64), entries.astype(np.int32).view(np.int64),
+                   (entries & 255).astype(np.uint8).view(np.int64)]
     return np.concatenate([h, bias_c, m0_c, m1_c, add, shift_c, *tables])
 
 

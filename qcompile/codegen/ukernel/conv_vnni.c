@@ -28,7 +28,7 @@
 enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
   H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
-  H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD, H_FLOAT,
+  H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD, H_FLOAT, H_LUT,
   HEADER = 32
 };
 
@@ -81,6 +81,9 @@ typedef struct {
   int res, res_signed, narrow, sat_signed, clamp_lo, clamp_hi, zfold;
   int fout;                  // f32 out (a dequantize), residual f32; else int8
   int32_t res_zp;
+  const int32_t* lut;        // H_LUT: a 256-entry table applied to the int8 codes (i32)
+  const uint8_t* lut8;       // the same as bytes (the AVX-512 VBMI lookup)
+  int32_t lut_lo;            // the codes' dtype low end (the table's index base)
   const float* scale32;      // fout: 2^-sh per channel
   // the narrow epilogue's tables (see store16_narrow)
   const int32_t* bias32;
@@ -103,6 +106,26 @@ INLINE __m512i requant8(__m512i acc64, __m512i res64, const epi_args* e, int64_t
   return _mm512_min_epi64(t, _mm512_set1_epi64(e->qmax));
 }
 
+// The table of an elementwise op that follows the requantize (H_LUT: GELU's, ...) on 16 i32
+// codes already clamped to the output range, stored as bytes: by vpermt2b where the object is
+// built for AVX-512 VBMI, else by vpgatherdd.
+INLINE void store16_lut(__m512i codes, const epi_args* e, uint8_t* y, __mmask16 mask) {
+  const __m512i idx = _mm512_sub_epi32(codes, _mm512_set1_epi32(e->lut_lo));
+#ifdef __AVX512VBMI__
+  const __m512i b = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(idx));
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void*)e->lut8), b,
+                                              _mm512_loadu_si512((const void*)(e->lut8 + 64)));
+  const __m512i hi = _mm512_permutex2var_epi8(
+      _mm512_loadu_si512((const void*)(e->lut8 + 128)), b,
+      _mm512_loadu_si512((const void*)(e->lut8 + 192)));
+  const __m512i v = _mm512_mask_blend_epi8(_mm512_movepi8_mask(b), lo, hi);
+  _mm_mask_storeu_epi8((void*)y, mask, _mm512_castsi512_si128(v));
+#else
+  const __m512i v = _mm512_i32gather_epi32(idx, (const void*)e->lut, 4);
+  _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(v));
+#endif
+}
+
 // 16 channels starting at c (of which `mask` are real) of one pixel.
 INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r, uint8_t* y,
                     __mmask16 mask) {
@@ -119,7 +142,10 @@ INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r,
   hi = requant8(hi, rhi, e, c + 8, e->res);
   __m512i y32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(lo)),
                                    _mm512_cvtepi64_epi32(hi), 1);
-  _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(y32));
+  if (e->lut)
+    store16_lut(y32, e, y, mask);
+  else
+    _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(y32));
 }
 
 // The same requantize with 32-bit lanes where it is exact (pack_params: every acc + bias fits in
@@ -147,6 +173,12 @@ INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_
   t = _mm512_add_epi32(t, _mm512_loadu_si512((const void*)(e->round32 + c)));
   t = _mm512_srav_epi32(t, _mm512_loadu_si512((const void*)(e->sh32 + c)));
   if (!e->zfold) t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)e->zout));
+  if (e->lut) {                  // the table reads the clamped codes
+    t = _mm512_max_epi32(t, _mm512_set1_epi32((int32_t)e->qmin));
+    t = _mm512_min_epi32(t, _mm512_set1_epi32((int32_t)e->qmax));
+    store16_lut(t, e, y, mask);
+    return;
+  }
   if (e->clamp_lo) t = _mm512_max_epi32(t, _mm512_set1_epi32((int32_t)e->qmin));
   if (e->clamp_hi) t = _mm512_min_epi32(t, _mm512_set1_epi32((int32_t)e->qmax));
   if (e->sat_signed)
@@ -265,6 +297,11 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   e.m1_odd = e.m1_32 + fp;
   e.round32 = e.m1_odd + fp;
   e.sh32 = e.round32 + fp;
+  // H_LUT: after the narrow tables, the table's index base (i64), 256 i32 entries, 256 bytes
+  const int64_t* lt = nt + 7 * fp / 2;
+  e.lut = h[H_LUT] ? (const int32_t*)(lt + 1) : 0;
+  e.lut8 = (const uint8_t*)(lt + 1 + 128);
+  e.lut_lo = h[H_LUT] ? (int32_t)lt[0] : 0;
   const int64_t pixels = ohn * ow;
   const int64_t p0 = chunk * h[H_CHUNK];
   const int64_t p1 = p0 + h[H_CHUNK] < pixels ? p0 + h[H_CHUNK] : pixels;
