@@ -89,6 +89,7 @@ def _cpu_and_ort_equal_the_reference(q, x: torch.Tensor, mask: torch.Tensor) -> 
     if uk["used"]:                     # each layer's attention is one fused dispatch
         assert uk["attention"] == LAYERS and not any(k.startswith("attention") for k in
                                                      uk["stock"])
+        assert uk["table_epilogue"] == LAYERS      # GELU's table in FFN in's epilogue
     for got, w in zip(cpu.runner.modules[BATCH].module()(x.numpy(), mask.numpy()), want,
                       strict=True):
         np.testing.assert_array_equal(got.view(w.dtype), w)
@@ -106,10 +107,20 @@ def _triton_equals_the_reference(q, x: torch.Tensor, mask: torch.Tensor) -> None
                          CudaOptions(interpret=True))
     host = [h["op"] for h in model.report["kernels"]["host_ops"]]
     assert "qlayernorm" not in host and "qsoftmax" not in host and "mask_lut" not in host
-    got = model.runner.programs[BATCH].run_numpy(x.numpy(), mask.numpy())
+    program = model.runner.programs[BATCH]
+    kernels = [s.launch.kernel for s in program.launches()]
+    # each layer's attention is one fused kernel: no separate softmax or mask lookup
+    assert kernels.count("attention") == LAYERS and "qsoftmax" not in kernels and \
+        "mask_lut" not in kernels
+    assert "lut" not in kernels                    # GELU's table in FFN in's epilogue
+    got = program.run_numpy(x.numpy(), mask.numpy())
     want = interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy())
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+    from qcompile.codegen.triton import aot        # and it compiles for sm_90 (tensor cores)
+
+    step = next(s for s in program.launches() if s.launch.kernel == "attention")
+    assert aot.compile_step(step, 90).int8_mma
 
 
 def test_encoder__cpu_and_ort_equal_the_reference_bit_for_bit(encoder):

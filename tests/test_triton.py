@@ -175,7 +175,11 @@ def test_handmade_graph__every_op_form_exact():
     summary = program.summary()
     assert summary["host_ops"] == []
     assert summary["by_kernel"]["conv2d_igemm"] == 1 and summary["by_kernel"]["gemm"] == 2
-    assert {"lut", "quantize", "requant_flat", "sum_rows"} <= set(summary["by_kernel"])
+    assert {"quantize", "requant_flat", "sum_rows"} <= set(summary["by_kernel"])
+    # the table reads the int8 add's requantize only: that kernel stores the table's entries
+    assert "lut" not in summary["by_kernel"]
+    assert [s.label for s in program.launches() if s.launch.consts.get("EPI") == 3] == \
+        ["requant+lut"]
 
 
 @pytest.fixture(scope="module")
@@ -288,8 +292,9 @@ def test_aot__every_launch_form_compiles(triton_cache):
                               if k not in TILE_CONSTS))
         forms.setdefault((step.launch.kernel, consts), step)
     kernels = {k for k, _ in forms}
-    assert kernels == {"conv2d_igemm", "conv2d_direct", "gemm", "lut", "maxpool2d", "quantize",
+    assert kernels == {"conv2d_igemm", "conv2d_direct", "gemm", "maxpool2d", "quantize",
                        "requant_flat", "sum_rows"}
+    assert any(dict(c).get("EPI") == 3 for _, c in forms)       # a requantize + table
     for step in forms.values():
         assert ".entry" in aot.compile_step(step, 90).ptx
 

@@ -71,7 +71,8 @@ def conv(lw: Lowerer, n: Node, end: Node | None) -> Step | None:
     f, kh, kw, cg = w.shape
     x_off = s8_offset(x.dtype)
     out = end or n
-    ep = epilogue(end, out.shape, len(out.shape) - 1, folded_bias(bias, w, a.x_zp - x_off))
+    ep = epilogue(end, out.shape, len(out.shape) - 1, folded_bias(bias, w, a.x_zp - x_off),
+                  lut=lw.table_after(end))
     if ep is None:
         return None
     algo = lw.conv if lw.conv != "auto" else conv_algorithm(a.groups, cg)
@@ -119,7 +120,7 @@ def sumpool(lw: Lowerer, n: Node, end: Node | None) -> Step | None:
     x_off = s8_offset(x.dtype)
     out = end or n
     bias = np.full(c, -(a.x_zp - x_off) * kh * kw, dtype=np.int64)
-    ep = epilogue(end, out.shape, len(out.shape) - 1, bias)
+    ep = epilogue(end, out.shape, len(out.shape) - 1, bias, lut=lw.table_after(end))
     if ep is None:
         return None
     unit = np.ones((c, kh, kw, 1), dtype=np.int8)
@@ -137,7 +138,8 @@ def linear(lw: Lowerer, n: Node, end: Node | None) -> Step | None:
     m = x.numel // k
     x_off = s8_offset(x.dtype)
     out = end or n
-    ep = epilogue(end, out.shape, len(out.shape) - 1, folded_bias(bias, w, n.attrs.x_zp - x_off))
+    ep = epilogue(end, out.shape, len(out.shape) - 1, folded_bias(bias, w, n.attrs.x_zp - x_off),
+                  lut=lw.table_after(end))
     if ep is None:
         return None
     t = gemm_tile(m, nn, k)
@@ -161,7 +163,7 @@ def matmul(lw: Lowerer, n: Node, end: Node | None) -> Step | None:
     k = a.shape[-1]
     nbatch = int(np.prod(batch, dtype=np.int64))
     out = end or n
-    ep = epilogue(end, out.shape, len(out.shape) - 1, 0)
+    ep = epilogue(end, out.shape, len(out.shape) - 1, 0, lut=lw.table_after(end))
     if ep is None:
         return None
     a_off, b_off = s8_offset(a.dtype), s8_offset(b.dtype)
@@ -190,7 +192,7 @@ def qsum(lw: Lowerer, n: Node, end: Node | None) -> Step | None:
     inner = int(np.prod(x.shape[dims[-1] + 1:], dtype=np.int64))
     out = end or n
     axis = end_axis(end, len(out.shape))
-    ep = epilogue(end, out.shape, axis, 0)
+    ep = epilogue(end, out.shape, axis, 0, lut=lw.table_after(end))
     if ep is None:
         return None
     ch, ch_inner = flat_channels(out.shape, axis)

@@ -18,7 +18,8 @@ from qcompile.ir import qmath
 from qcompile.ir.graph import Node, Op
 from qcompile.ir.types import Requant
 
-EPI_I32, EPI_REQUANT, EPI_DEQUANT = 0, 1, 2     # the kernels' ``EPI`` constexpr
+EPI_I32, EPI_REQUANT, EPI_DEQUANT, EPI_REQUANT_LUT = 0, 1, 2, 3   # the kernels' ``EPI``
+LUT_BASE = 128          # EPI_REQUANT_LUT: the table (in ``scale``) is indexed by code + 128
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,12 @@ def norm_axis(axis: int | None, ndim: int) -> int | None:
 
 
 def epilogue(end: Node | None, shape: tuple[int, ...], axis: int | None,
-             bias: np.ndarray | int) -> Epilogue | None:
+             bias: np.ndarray | int, lut: Node | None = None) -> Epilogue | None:
     """The epilogue of ``end`` for a kernel whose channel index runs along ``axis`` of the
     output ``shape`` (``None``: one channel). ``bias``: the anchor's folded bias per channel
-    (or one value)."""
+    (or one value). ``lut``: the 256-entry table that reads a requantize's codes (its only
+    reader): the kernel stores the table's entries (``EPI_REQUANT_LUT``; the table as f32 in
+    ``scale``, indexed by ``code + 128``, codes being exact in f32)."""
     width = 1 if axis is None else shape[axis]
     base = _broadcast(bias, width, np.int64)
     if base is None:
@@ -87,6 +90,12 @@ def epilogue(end: Node | None, shape: tuple[int, ...], axis: int | None,
     if len(rq.terms) == 2:
         table[2] = rows[1]
         residual, zr = end.src[1], rq.terms[1].zero_point
+    if lut is not None:
+        lo = end.dtype.range[0]
+        codes = np.zeros(LUT_BASE + 256, np.float32)
+        codes[lo + LUT_BASE:lo + LUT_BASE + 256] = np.asarray(lut.attrs.table, np.float32)
+        return Epilogue(EPI_REQUANT_LUT, table, codes, residual, zr, rq.zp_out, rq.qmin,
+                        rq.qmax)
     return Epilogue(EPI_REQUANT, table, scale, residual, zr, rq.zp_out, rq.qmin, rq.qmax)
 
 

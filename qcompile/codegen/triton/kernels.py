@@ -59,8 +59,9 @@ def _max(x, AXIS: tl.constexpr):
 @triton.jit
 def _epilogue(v, chan, chan_ok, offs, mask, out, res, ep, scale, F, zr, zp_out, qmin, qmax,
               EPI: tl.constexpr, HAS_RES: tl.constexpr):
-    """Bias, then keep i32 (``EPI`` 0), requantize (1) or dequantize (2) — the
-    ``epilogue.EPI_*`` modes; stores ``out[offs]`` under ``mask``. ``chan`` (broadcastable to
+    """Bias, then keep i32 (``EPI`` 0), requantize (1), dequantize (2) or requantize and look
+    the codes up in a 256-entry table (3, ``scale[code + 128]``) — the ``epilogue.EPI_*``
+    modes; stores ``out[offs]`` under ``mask``. ``chan`` (broadcastable to
     ``v``) indexes the per-channel tables."""
     v = v + tl.load(ep + chan, mask=chan_ok, other=0)
     if EPI == 0:
@@ -78,6 +79,8 @@ def _epilogue(v, chan, chan_ok, offs, mask, out, res, ep, scale, F, zr, zp_out, 
         shift = tl.load(ep + 4 * F + chan, mask=chan_ok, other=1)
         q = ((total + rnd) >> shift) + zp_out
         q = tl.minimum(tl.maximum(q, qmin), qmax)
+        if EPI == 3:               # a table after the requantize (scale[code + 128], f32)
+            q = tl.load(scale + (q + 128).to(tl.int32), mask=mask, other=0.0).to(tl.int64)
         tl.store(out + offs, q.to(out.dtype.element_ty), mask=mask)
 
 
@@ -374,3 +377,60 @@ def lut(x, table, out, n, LO: tl.constexpr, BLOCK: tl.constexpr):
     ok = o < n
     v = tl.load(x + o, mask=ok, other=LO).to(tl.int32) - LO
     tl.store(out + o, tl.load(table + v, mask=ok, other=0), mask=ok)
+
+
+@triton.jit
+def attention(q, k, v, m, mtab, etab, out, S, HD, D, M_STRIDE, zq, zk, zv, zp, kzz, szz,
+              b1, m1, r1, s1, z1, lo1, hi1, M2, SZP, SLO, SHI, b2, m2, r2, s2, z2, lo2, hi2,
+              Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
+              HAS_MASK: tl.constexpr, CLO: tl.constexpr, SHIFT: tl.constexpr,
+              BQ: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+    """One fused attention chain (:mod:`qcompile.codegen.attention`) for ``BQ`` query rows of
+    one head (``program_id(1)``) of image ``program_id(2)``: ``q·kᵀ`` on int8 tensor cores with
+    both zero points subtracted after the product (``kzz = D·zq·zk``), the requantize, the mask
+    table (``mtab[4, 256]``, each key's row ``clamp(mask, -1, 2) + 1``), the int8 softmax of
+    :func:`qcompile.ir.qmath.softmax_codes` over the row (all ``S <= BS`` keys in one tile),
+    ``p·v`` (p shifted to s8, ``szz = S·zp·zv``) and the second requantize, stored into the
+    head's ``D`` columns of the merged ``[N, S, H·D]`` output. q, k, v are ``[N, S, H·D]``
+    (``HD = H·D``); zero points are those of the shifted s8 operands."""
+    rq = tl.program_id(0) * BQ + tl.arange(0, BQ)
+    head = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    rs = tl.arange(0, BS)
+    rd = tl.arange(0, BD)
+    q_ok = rq < S
+    s_ok = rs < S
+    d_ok = rd < D
+    base = n * S * HD + head * D
+    qt = tl.load(q + base + rq[:, None] * HD + rd[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                 other=Q_OFF)
+    qt = (qt.to(tl.int32) - Q_OFF).to(tl.int8)                       # [BQ, BD]
+    kt = tl.load(k + base + rs[None, :] * HD + rd[:, None], mask=d_ok[:, None] & s_ok[None, :],
+                 other=K_OFF)
+    kt = (kt.to(tl.int32) - K_OFF).to(tl.int8)                       # [BD, BS]: kᵀ
+    acc = tl.dot(qt, kt, tl.full((BQ, BS), 0, tl.int32), out_dtype=tl.int32).to(tl.int64)
+    acc = acc - zk * _sum(qt.to(tl.int32), 1).to(tl.int64)[:, None] - \
+        zq * _sum(kt.to(tl.int32), 0).to(tl.int64)[None, :] + kzz
+    c = ((acc + b1) * m1 + r1 >> s1) + z1
+    c = tl.minimum(tl.maximum(c, lo1), hi1).to(tl.int32)
+    if HAS_MASK:
+        mrow = tl.load(m + n * M_STRIDE + rs, mask=s_ok, other=1)
+        mrow = (tl.minimum(tl.maximum(mrow, -1), 2) + 1).to(tl.int32)
+        c = tl.load(mtab + (mrow[None, :] * 256 + (c - CLO)), mask=s_ok[None, :], other=0)
+    c = tl.where(s_ok[None, :], c, -1024)
+    mx = _max(c, 1)
+    e = tl.load(etab + (mx[:, None] - c), mask=s_ok[None, :], other=0)   # i64
+    total = _sum(e, 1)
+    p = (e * M2 + (total << SHIFT)[:, None]) // (total << (SHIFT + 1))[:, None] + SZP
+    p = tl.minimum(tl.maximum(p, SLO), SHI)
+    p8 = tl.where(s_ok[None, :], p - 128, 0).to(tl.int8)              # [BQ, BS]
+    vt = tl.load(v + base + rs[:, None] * HD + rd[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                 other=V_OFF)
+    vt = (vt.to(tl.int32) - V_OFF).to(tl.int8)                       # [BS, BD]
+    o = tl.dot(p8, vt, tl.full((BQ, BD), 0, tl.int32), out_dtype=tl.int32).to(tl.int64)
+    o = o - zv * _sum(p8.to(tl.int32), 1).to(tl.int64)[:, None] - \
+        zp * _sum(vt.to(tl.int32), 0).to(tl.int64)[None, :] + szz
+    y = ((o + b2) * m2 + r2 >> s2) + z2
+    y = tl.minimum(tl.maximum(y, lo2), hi2)
+    tl.store(out + base + rq[:, None] * HD + rd[None, :], y.to(out.dtype.element_ty),
+             mask=q_ok[:, None] & d_ok[None, :])

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from qcompile.codegen.attention import Attention, attention_chains
 from qcompile.codegen.triton import contract
-from qcompile.codegen.triton.epilogue import end_axis, epilogue, flat_channels
+from qcompile.codegen.triton.epilogue import EPI_REQUANT_LUT, end_axis, epilogue, flat_channels
 from qcompile.codegen.triton.program import OUT, TORCH_DTYPE, Launch, Program, Ref, Step
 from qcompile.codegen.triton.tiles import flat_block
 from qcompile.errors import CompileError
@@ -55,6 +56,21 @@ class Lowerer:
         self.keys = {id(n): k for k, n in enumerate(self.nodes)}
         self.users = graph.users()
         self.constants: dict[int, torch.Tensor] = {}
+        outputs = {id(o) for o in graph.outputs}
+        # a requantize read only by a 256-entry table (GELU after FFN in): the kernel that
+        # ends in that requantize stores the table's entries (epilogue.EPI_REQUANT_LUT)
+        self.tables: dict[int, Node] = {}
+        for n in self.nodes:
+            readers = self.users.get(id(n), [])
+            if n.op is Op.REQUANT and id(n) not in outputs and len(readers) == 1 and \
+                    readers[0].op is Op.LUT and readers[0].src[0] is n and \
+                    readers[0].dtype.is_int8 and np.asarray(readers[0].attrs.table).size == 256:
+                self.tables[id(n)] = readers[0]
+        self.fused_tables: set[int] = set()      # the LUTs a chain's kernel computes
+
+    def table_after(self, end: Node | None) -> Node | None:
+        """The table lookup that is ``end``'s only reader (:attr:`tables`), if any."""
+        return self.tables.get(id(end)) if end is not None else None
 
     def key(self, n: Node) -> int:
         return self.keys[id(n)]
@@ -78,6 +94,10 @@ class Lowerer:
                                f"({n.dtype.value}{list(n.shape)})",
                                why="the kernels index with i32: a tensor has 2^31 elements or more",
                                next="compile a smaller batch size (compile.batch_sizes)")
+        if launch.consts.get("EPI") == EPI_REQUANT_LUT:     # the step stores the table's value
+            lut = self.tables[id(n)]
+            self.fused_tables.add(id(lut))
+            n, covers, label = lut, (*covers, lut), f"{label}+{lut.op.value}"
         loc = next((c.loc for c in (*covers, n) if c.loc), None)   # the anchor's, if it has one
         return Step(self.key(n), tuple(self.key(c) for c in covers), "kernel", n.shape,
                     TORCH_DTYPE[n.dtype], label, launch=launch, loc=loc)
@@ -94,13 +114,34 @@ class Lowerer:
         return end
 
 
+ATTENTION_MAX_S = 512          # keys of one attention row (one tile)
+ATTENTION_MAX_D = 128
+
+
+def attention_fits(s: int, d: int) -> str | None:
+    """``None`` when the fused attention kernel takes ``s`` keys of head size ``d``."""
+    if s > ATTENTION_MAX_S:
+        return f"{s} keys exceed one tile of {ATTENTION_MAX_S}"
+    if d > ATTENTION_MAX_D:
+        return f"head size {d} exceeds {ATTENTION_MAX_D}"
+    return None
+
+
 def lower_graph(graph: Graph, module: ModuleType, device: torch.device,
                 conv: str = "auto") -> Program:
     lw = Lowerer(graph, module, device, conv)
     chains: dict[int, Step] = {}            # end node -> the step of its whole chain
     steps: list[Step] = []
+    fused, _ = attention_chains(graph, lw.users, attention_fits)
     for n in lw.nodes:
         if n.op in (Op.INPUT, Op.CONST):
+            continue
+        if id(n) in lw.fused_tables:       # computed by its requantize's kernel
+            continue
+        att = fused.get(id(n))
+        if att is not None:                 # one kernel at its second requantize
+            if n is att.rq2:
+                steps.append(attention_step(lw, att))
             continue
         end = lw.chain_end(n) if n.op in ANCHOR_OPS else None
         if end is not None and (chain := lower_anchor(lw, n, end)) is not None:
@@ -115,6 +156,43 @@ def lower_graph(graph: Graph, module: ModuleType, device: torch.device,
         steps.append(step if step is not None else host_step(lw, n))
     return Program(module, device, tuple(lw.key(n) for n in graph.inputs),
                    tuple(lw.key(n) for n in graph.outputs), lw.constants, steps)
+
+
+def attention_step(lw: Lowerer, att: Attention) -> Step:
+    """The fused attention kernel of ``att``; its value is the head merge's."""
+    nb, h, s, d = att.qk.src[0].shape
+    qa, pa, sa = att.qk.attrs, att.pv.attrs, att.softmax.attrs
+    off = {DType.U8: 128, DType.I8: 0}
+    q_off, k_off, v_off = (off[x.dtype] for x in (att.q, att.k, att.v))
+    zq, zk, zv = int(qa.a_zp) - q_off, int(qa.b_zp) - k_off, int(pa.b_zp) - v_off
+    zp = int(pa.a_zp) - 128
+
+    def rq_args(n: Node) -> tuple[int, ...]:
+        rq = n.attrs.rq
+        sh = int(np.asarray(rq.shift).reshape(-1)[0])
+        return (-int(rq.terms[0].zero_point), int(np.asarray(rq.terms[0].multiplier).reshape(
+            -1)[0]), 1 << (sh - 1), sh, int(rq.zp_out), int(rq.qmin), int(rq.qmax))
+
+    mask = att.mask.src[1] if att.mask is not None else None
+    mtab = np.asarray(att.mask.attrs.table, np.int64).reshape(-1) if att.mask is not None \
+        else np.zeros(1, np.int64)
+    bs = max(32, 1 << (s - 1).bit_length())         # int8 dots reduce over K >= 32
+    bd = max(32, 1 << (d - 1).bit_length())
+    bq = 16 if bs > 128 else 32
+    args = (lw.ref(att.q), lw.ref(att.k), lw.ref(att.v),
+            lw.ref(mask) if mask is not None else OUT,
+            lw.tensor(mtab.astype(att.softmax.src[0].dtype.np).astype(np.int32)),
+            lw.tensor(np.asarray(sa.table, np.int64)), OUT, s, h * d, d,
+            s if mask is not None and mask.shape[0] > 1 else 0, zq, zk, zv, zp, d * zq * zk,
+            s * zp * zv, *rq_args(att.rq1), 2 * int(sa.m), int(sa.zp), *map(int, sa.range),
+            *rq_args(att.rq2))
+    consts = {"Q_OFF": q_off, "K_OFF": k_off, "V_OFF": v_off, "HAS_MASK": mask is not None,
+              "CLO": att.rq1.dtype.range[0], "SHIFT": qmath.SOFTMAX_OUT_SHIFT, "BQ": bq,
+              "BS": bs, "BD": bd}
+    merge = att.merge[1]
+    return lw.step(merge, (*att.inner, *att.merge),
+                   Launch("attention", (-(-s // bq), h, nb), args, consts,
+                          tile=f"{bq}x{bs}x{bd}"), "attention")
 
 
 def lower_anchor(lw: Lowerer, anchor: Node, end: Node | None) -> Step | None:
@@ -158,7 +236,8 @@ def flat_epilogue_step(lw: Lowerer, end: Node, covers: tuple[Node, ...], x0: Nod
     shape = end.shape
     ends = end.op in (Op.REQUANT, Op.DEQUANT)
     axis = end_axis(end, len(shape)) if ends else None
-    ep = epilogue(end if ends else None, shape, axis, 0)
+    ep = epilogue(end if ends else None, shape, axis, 0,
+                  lut=lw.table_after(end) if ends else None)
     if ep is None or (mul is not None and ep.residual is not None):
         return None
     second = x1 if mul is not None else ep.residual
