@@ -117,8 +117,9 @@ def _triton_equals_the_reference(q, x: torch.Tensor, mask: torch.Tensor) -> None
     want = interpreter.run(model.runner.graphs[BATCH], x.numpy(), mask.numpy())
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
-    from qcompile.codegen.triton import aot        # and it compiles for sm_90 (tensor cores)
+    from qcompile.codegen.triton import aot
 
+    # and it compiles for sm_90 (tensor cores)
     step = next(s for s in program.launches() if s.launch.kernel == "attention")
     assert aot.compile_step(step, 90).int8_mma
 
