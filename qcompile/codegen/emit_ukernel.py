@@ -32,9 +32,9 @@ from iree.compiler.dialects import arith, func
 
 from qcompile.codegen import builder as b
 from qcompile.codegen import ukernel
-from qcompile.codegen.attention import Attention
-from qcompile.codegen.attention import attention_chains as find_attention
 from qcompile.codegen.builder import TV
+from qcompile.codegen.fusions import Attention, scalar_requant, table_reader
+from qcompile.codegen.fusions import attention_chains as find_attention
 from qcompile.ir.graph import Graph, Node, Op
 from qcompile.ir.types import DType
 
@@ -177,16 +177,9 @@ def float_residuals(graph: Graph, chosen: dict[int, Node], users: dict[int, list
     return out
 
 
-def _rq_row(n: Node, bias: int = 0) -> tuple[int, ...]:
-    rq = n.attrs.rq
-    return (bias - int(rq.terms[0].zero_point), int(np.asarray(rq.terms[0].multiplier).reshape(
-        -1)[0]), int(np.asarray(rq.shift).reshape(-1)[0]), int(rq.zp_out), int(rq.qmin),
-        int(rq.qmax))
-
-
 def attention_chains(graph: Graph, users: dict[int, list[Node]]
                      ) -> tuple[dict[int, Attention], dict[str, int]]:
-    """The attention chains the fused kernel computes (:func:`qcompile.codegen.attention.
+    """The attention chains the fused kernel computes (:func:`qcompile.codegen.fusions.
     attention_chains` within the kernel's stack limits)."""
     return find_attention(graph, users, ukernel.attention_fits)
 
@@ -206,9 +199,10 @@ def emit_attention(em: Emitter, att: Attention) -> TV:
     sa = att.softmax.attrs
     lo = att.rq1.dtype.range[0]
     params = ukernel.pack_attention_params(
-        shape, flips, zps, lo, _rq_row(att.rq1), (int(sa.m), int(sa.zp), *map(int, sa.range)),
-        _rq_row(att.rq2), np.asarray(att.mask.attrs.table) if att.mask is not None else None,
-        np.asarray(sa.table), scores_signed=att.softmax.src[0].dtype is DType.I8)
+        shape, flips, zps, lo, scalar_requant(att.rq1),
+        (int(sa.m), int(sa.zp), *map(int, sa.range)), scalar_requant(att.rq2),
+        np.asarray(att.mask.attrs.table) if att.mask is not None else None, np.asarray(sa.table),
+        scores_signed=att.softmax.src[0].dtype is DType.I8)
     ops = [_flat(materialize(em.values[id(x)])) for x in (att.q, att.k, att.v)]
     m = _flat(materialize(em.values[id(mask)])) if mask is not None else \
         b.constant(np.zeros(1, np.int64), DType.I64)
@@ -295,7 +289,8 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
                               rq_node.shape[1], rq_node.shape[2])
     nxt = _padded_reader(em, rq_node) if conv.op is Op.QCONV2D else None
-    lut = _lut_reader(em, rq_node)
+    # a table that reads only this requantize: the kernel stores the table's entries
+    lut = table_reader(rq_node, em.users, {id(o) for o in em.graph.outputs})
     if nxt is not None:
         # written straight into the next conv's zero-point-padded input (the kernel writes
         # the border too): no pad copy between the two dispatches
@@ -379,20 +374,6 @@ def _emit_linear_group(em: Emitter, lins: tuple[Node, ...], x: TV, zp: int) -> N
     for rq_node, off, size, _ in slices:
         piece = b.extract_slice(out, [off], [size], [1])
         em.uk_group_out[id(rq_node)] = b.reshape(piece, rq_node.shape)
-
-
-def _lut_reader(em: Emitter, rq_node: Node) -> Node | None:
-    """The 256-entry table lookup (``LUT``: GELU, hardswish, ... as tables) that is
-    ``rq_node``'s only reader, when ``rq_node`` is not a graph output: the kernel stores the
-    table's entries in its place."""
-    readers = em.users.get(id(rq_node), [])
-    if len(readers) != 1 or any(o is rq_node for o in em.graph.outputs):
-        return None
-    t = readers[0]
-    if t.op is not Op.LUT or t.src[0] is not rq_node or not t.dtype.is_int8 or \
-            np.asarray(t.attrs.table).size != 256:
-        return None
-    return t
 
 
 def _padded_reader(em: Emitter, rq_node: Node) -> Node | None:

@@ -48,8 +48,9 @@ class Pending:
 
 @dataclass(frozen=True)
 class Fused:
-    """A node inside a fused attention chain (:func:`qcompile.codegen.emit_ukernel.
-    attention_chains`): the kernel computes it, nothing else reads it."""
+    """A node whose value a fused kernel computes and nothing else reads: inside an attention
+    chain (:func:`qcompile.codegen.emit_ukernel.attention_chains`), or a requantize whose
+    table the kernel stores (:func:`qcompile.codegen.fusions.table_reader`)."""
 
     node_id: int
 

@@ -385,7 +385,7 @@ def attention(q, k, v, m, mtab, etab, out, S, HD, D, M_STRIDE, zq, zk, zv, zp, k
               Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
               HAS_MASK: tl.constexpr, CLO: tl.constexpr, SHIFT: tl.constexpr,
               BQ: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
-    """One fused attention chain (:mod:`qcompile.codegen.attention`) for ``BQ`` query rows of
+    """One fused attention chain (:mod:`qcompile.codegen.fusions`) for ``BQ`` query rows of
     one head (``program_id(1)``) of image ``program_id(2)``: ``q·kᵀ`` on int8 tensor cores with
     both zero points subtracted after the product (``kzz = D·zq·zk``), the requantize, the mask
     table (``mtab[4, 256]``, each key's row ``clamp(mask, -1, 2) + 1``), the int8 softmax of

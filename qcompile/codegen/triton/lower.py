@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from qcompile.codegen.attention import Attention, attention_chains
+from qcompile.codegen.fusions import Attention, attention_chains, scalar_requant, table_reader
 from qcompile.codegen.triton import contract
 from qcompile.codegen.triton.epilogue import EPI_REQUANT_LUT, end_axis, epilogue, flat_channels
 from qcompile.codegen.triton.program import OUT, TORCH_DTYPE, Launch, Program, Ref, Step
@@ -59,13 +59,8 @@ class Lowerer:
         outputs = {id(o) for o in graph.outputs}
         # a requantize read only by a 256-entry table (GELU after FFN in): the kernel that
         # ends in that requantize stores the table's entries (epilogue.EPI_REQUANT_LUT)
-        self.tables: dict[int, Node] = {}
-        for n in self.nodes:
-            readers = self.users.get(id(n), [])
-            if n.op is Op.REQUANT and id(n) not in outputs and len(readers) == 1 and \
-                    readers[0].op is Op.LUT and readers[0].src[0] is n and \
-                    readers[0].dtype.is_int8 and np.asarray(readers[0].attrs.table).size == 256:
-                self.tables[id(n)] = readers[0]
+        self.tables = {id(n): t for n in self.nodes
+                       if (t := table_reader(n, self.users, outputs)) is not None}
         self.fused_tables: set[int] = set()      # the LUTs a chain's kernel computes
 
     def table_after(self, end: Node | None) -> Node | None:
@@ -168,10 +163,8 @@ def attention_step(lw: Lowerer, att: Attention) -> Step:
     zp = int(pa.a_zp) - 128
 
     def rq_args(n: Node) -> tuple[int, ...]:
-        rq = n.attrs.rq
-        sh = int(np.asarray(rq.shift).reshape(-1)[0])
-        return (-int(rq.terms[0].zero_point), int(np.asarray(rq.terms[0].multiplier).reshape(
-            -1)[0]), 1 << (sh - 1), sh, int(rq.zp_out), int(rq.qmin), int(rq.qmax))
+        bias, m, sh, *out = scalar_requant(n)
+        return (bias, m, 1 << (sh - 1), sh, *out)
 
     mask = att.mask.src[1] if att.mask is not None else None
     mtab = np.asarray(att.mask.attrs.table, np.int64).reshape(-1) if att.mask is not None \
@@ -181,7 +174,7 @@ def attention_step(lw: Lowerer, att: Attention) -> Step:
     bq = 16 if bs > 128 else 32
     args = (lw.ref(att.q), lw.ref(att.k), lw.ref(att.v),
             lw.ref(mask) if mask is not None else OUT,
-            lw.tensor(mtab.astype(att.softmax.src[0].dtype.np).astype(np.int32)),
+            lw.tensor(mtab.astype(np.int32)),
             lw.tensor(np.asarray(sa.table, np.int64)), OUT, s, h * d, d,
             s if mask is not None and mask.shape[0] > 1 else 0, zq, zk, zv, zp, d * zq * zk,
             s * zp * zv, *rq_args(att.rq1), 2 * int(sa.m), int(sa.zp), *map(int, sa.range),

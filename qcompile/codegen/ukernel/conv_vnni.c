@@ -561,7 +561,8 @@ __attribute__((target("avx512vbmi"))) static inline __m512i lut256(__m512i idx,
 }
 
 // bytes: the mask tables [4][256] (codes), the exp table's three planes [3][256]; rowid[j] the
-// key's mask-table row, zero past S; `lo` the scores' dtype low end
+// key's mask-table row (2 past S: those keys are masked out of the max and the sum); `lo`
+// the scores' dtype low end
 __attribute__((target("avx512vbmi"))) static int64_t row_exp_vbmi(
     int32_t* row, const uint8_t* rowid, const uint8_t* tables, int64_t lo, int is_signed,
     int64_t s, int64_t sp) {

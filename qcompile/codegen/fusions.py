@@ -1,12 +1,16 @@
-"""Attention chains that a backend computes as one fused kernel (the cpu microkernel
-``qk_attention_u8``, the cuda Triton kernel ``attention``):
+"""Chains that the backends fuse the same way (the cpu microkernel, the cuda Triton kernels).
+
+**Attention**, one kernel per layer (cpu ``qk_attention_u8``, cuda ``attention``)::
 
     q·kᵀ (QMATMUL) → REQUANT → [MASK_LUT] → QSOFTMAX (last axis, u8) → ·v (QMATMUL) → REQUANT
     → PERMUTE (0, 2, 1, 3) → RESHAPE [N, S, H·D]
 
 with q, k and v head splits (``reshape`` + ``permute``) of ``[N, S, H·D]`` int8 tensors. The
 kernel reads those three tensors and writes the merged result; the nodes between are not
-computed on their own."""
+computed on their own.
+
+**A table after a requantize** (:func:`table_reader`: GELU after FFN in): the kernel that ends
+in the requantize stores the table's entries instead of the codes."""
 
 from __future__ import annotations
 
@@ -64,6 +68,29 @@ def _keys(x: Node) -> Node | None:
     if tuple(x.attrs.dims) == (0, 1, 3, 2):
         return _split_heads(x.src[0], (0, 2, 1, 3))
     return _split_heads(x, (0, 2, 3, 1))
+
+
+def table_reader(n: Node, users: dict[int, list[Node]], outputs: set[int]) -> Node | None:
+    """The 256-entry table lookup (``LUT``: GELU, hardswish, ... as tables) that is the only
+    reader of the requantize ``n`` (not a graph output: ``outputs`` holds their ids), else
+    None."""
+    readers = users.get(id(n), [])
+    if n.op is not Op.REQUANT or id(n) in outputs or len(readers) != 1:
+        return None
+    t = readers[0]
+    if t.op is not Op.LUT or t.src[0] is not n or not t.dtype.is_int8 or \
+            np.asarray(t.attrs.table).size != 256:
+        return None
+    return t
+
+
+def scalar_requant(n: Node) -> tuple[int, int, int, int, int, int]:
+    """A per-tensor one-term requantize (:func:`_single_rq`) as ``(bias, multiplier, shift,
+    zero point out, qmin, qmax)``, its bias minus the term's zero point."""
+    rq = n.attrs.rq
+    return (-int(rq.terms[0].zero_point), int(np.asarray(rq.terms[0].multiplier).reshape(-1)[0]),
+            int(np.asarray(rq.shift).reshape(-1)[0]), int(rq.zp_out), int(rq.qmin),
+            int(rq.qmax))
 
 
 def _single_rq(n: Node) -> bool:
