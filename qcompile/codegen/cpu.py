@@ -155,7 +155,8 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
                         "float_epilogue": sum(c.floating for c in chains),
                         "float_residual_adds": sum(c.floating and c.residual for c in chains),
                         "attention": sum(c.attention is not None for c in chains),
-                        "table_epilogue": sum(c.lut for c in chains)}
+                        "table_epilogue": sum(c.lut for c in chains),
+                        "depthwise": sum(c.depthwise for c in chains)}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
             errors.append(got)
     assert first is not None
@@ -254,8 +255,8 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
     how many linears dequantize to f32 in the kernel (``float_epilogue``: a residual stream kept
     float) and add their residual there (``float_residual_adds``), how many attention chains
     run as one fused dispatch (``attention``), how many chains store the table of the
-    elementwise op after them (``table_epilogue``: GELU), and why the others kept the stock
-    lowering."""
+    elementwise op after them (``table_epilogue``: GELU), how many are depthwise convs
+    (``depthwise``), and why the others kept the stock lowering."""
     infos = {b: m.ukernel for b, m in modules.items() if m.ukernel is not None}
     counts = {str(b): i["chains"] for b, i in sorted(infos.items())}
     used = any(counts.values())
@@ -274,5 +275,6 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
                    float_epilogue=last.get("float_epilogue", 0),
                    float_residual_adds=last.get("float_residual_adds", 0),
                    attention=last.get("attention", 0),
-                   table_epilogue=last.get("table_epilogue", 0))
+                   table_epilogue=last.get("table_epilogue", 0),
+                   depthwise=last.get("depthwise", 0))
     return out

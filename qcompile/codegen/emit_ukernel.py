@@ -65,6 +65,7 @@ class UkCall:
     members: tuple[str | None, ...] = ()    # their locations (one chain each)
     floating: bool = False           # a dequantize: f32 out (and f32 residual)
     lut: bool = False                # stores the table of the elementwise op that follows
+    depthwise: bool = False          # a depthwise conv (qk_dwconv_u8s8)
     attention: ukernel.AttentionShape | None = None   # a fused attention (qk_attention_u8)
     nmask: int = 0                   # its mask operand's elements
 
@@ -82,7 +83,16 @@ def why_not(conv: Node, users: dict[int, list[Node]]) -> str | None:
         if a.get("layout") != "nhwc":
             return "NCHW conv"
         if a.groups != 1:
-            return "grouped or depthwise conv"
+            c = conv.src[0].shape[-1]
+            if not a.groups == c == conv.shape[-1]:
+                return "grouped conv"
+            kw = np.asarray(conv.src[1].attrs.value).shape[2]
+            why = ukernel.depthwise_fits(c, kw, tuple(a.stride), tuple(a.dilation))
+            if why is not None:
+                return why
+            rq = users.get(id(conv), [None])[0]
+            if rq is not None and rq.op is Op.REQUANT and len(rq.src) > 1:
+                return "depthwise conv with a residual"
     if conv.op is Op.QMATMUL and not (
             conv.src[0].shape[:-2] == conv.src[1].shape[:-2] == conv.shape[:-2]):
         return "broadcast batch dims"
@@ -275,8 +285,10 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
     else:
         w = _weights_ohwi(conv)
         f, kh, kw, c = w.shape
-        nb, h, wd, _ = x.shape
+        nb, h, wd, cx = x.shape
         (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
+        depthwise = a.groups != 1          # why_not: groups == C == F
+        c = cx if depthwise else c     # input channels
         cp = ukernel.padded_channels(c)
         pre = prepadded(em, conv, (ph, pw))
         if pre is not None and cp == c:
@@ -287,8 +299,9 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
             with em.loc(conv, ".copy"):
                 xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
         s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
-                              rq_node.shape[1], rq_node.shape[2])
-    nxt = _padded_reader(em, rq_node) if conv.op is Op.QCONV2D else None
+                              rq_node.shape[1], rq_node.shape[2], depthwise=depthwise)
+    # (a depthwise kernel writes no border for its reader)
+    nxt = _padded_reader(em, rq_node) if conv.op is Op.QCONV2D and not s.depthwise else None
     # a table that reads only this requantize: the kernel stores the table's entries
     lut = table_reader(rq_node, em.users, {id(o) for o in em.graph.outputs})
     if nxt is not None:
@@ -297,7 +310,8 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         s = replace(s, out_pad=tuple(nxt.attrs.padding), out_fill=int(nxt.attrs.x_zp))
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
     extra: dict[str, Any] = {}
-    operands = [_flat(xp), b.constant(ukernel.pack_weights(w), DType.I8)]
+    packed = ukernel.pack_dw_weights(w[..., 0]) if s.depthwise else ukernel.pack_weights(w)
+    operands = [_flat(xp), b.constant(packed, DType.I8)]
     if res is not None:
         extra = dict(m1=np.asarray(rq.terms[1].multiplier, np.int64),
                      res_zp=rq.terms[1].zero_point, res_signed=res.dtype is DType.I8)
@@ -313,7 +327,7 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
     out = _call(em, name, operands, s.out_size, lut.dtype if lut is not None else rq_node.dtype)
     em.uk_calls.append(UkCall(name, s, params.size, operands[1].shape[0], len(operands) == 4,
                               conv.loc, narrow=bool(params[ukernel.H_NARROW]),
-                              lut=lut is not None))
+                              lut=lut is not None, depthwise=s.depthwise))
     if lut is not None:
         # the kernel stores the table's entries: that is the LUT's value, and the requantize
         # has no reader of its own

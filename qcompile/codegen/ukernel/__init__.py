@@ -33,6 +33,7 @@ MATMUL_SYMBOL = "qk_matmul_u8s8"
 QUANT_SYMBOL = "qk_quantize_nchw"
 MULTI_SYMBOL = "qk_linear_multi"
 ATTN_SYMBOL = "qk_attention_u8"
+DW_SYMBOL = "qk_dwconv_u8s8"
 M_ENTRY = 4          # directory entry of a multi-linear call: first block, params, weights, out
 BASE_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
                "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
@@ -113,6 +114,7 @@ class ConvShape:
     f_round: int = 16    # output channels padded to a multiple of this (64: uniform blocks)
     out_pad: tuple[int, int] = (0, 0)   # output border rows / columns per side
     out_fill: int = 0                   # the border's value (u8 code)
+    depthwise: bool = False             # one filter per channel (qk_dwconv_u8s8), c == f
 
     @property
     def out_size(self) -> int:
@@ -132,8 +134,8 @@ class ConvShape:
     def chunk(self) -> int:
         """Output pixels per workgroup (flattened over the output rows): about one row's
         worth, a multiple of the kernel's 6-pixel tile, so that a row whose width is no multiple
-        of 6 does not end in a short tile."""
-        return 6 * -(-self.ow // 6)
+        of 6 does not end in a short tile; a depthwise conv's is one output row."""
+        return self.ow if self.depthwise else 6 * -(-self.ow // 6)
 
     @property
     def chunks(self) -> int:
@@ -190,6 +192,38 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     return np.concatenate(parts)
 
 
+DW_MAX_KW = 9          # three tap groups of three per kernel row (qk_dwconv_u8s8)
+
+
+def depthwise_fits(c: int, kw: int, stride: tuple[int, int], dilation: tuple[int, int]
+                   ) -> str | None:
+    """``None`` when ``qk_dwconv_u8s8`` computes a depthwise conv of ``c`` channels, ``kw``
+    columns, ``stride`` and ``dilation`` on this host, else why not."""
+    if not host_has_vbmi():
+        return "depthwise conv: the host CPU has no AVX-512 VBMI (vpermt2b)"
+    if c % 16:
+        return f"depthwise conv of {c} channels (not a multiple of 16)"
+    if stride[1] not in (1, 2) or tuple(dilation) != (1, 1):
+        return f"depthwise conv with stride {tuple(stride)}, dilation {tuple(dilation)}"
+    if kw > DW_MAX_KW:
+        return f"depthwise conv {kw} columns wide (at most {DW_MAX_KW})"
+    return None
+
+
+def pack_dw_weights(w: np.ndarray) -> np.ndarray:
+    """Depthwise ``w[C, KH, KW]`` (s8) → ``qk_dwconv_u8s8``'s layout: per 16 channels
+    ``[KH, G, 16, 4]``, ``G = ceil(KW / 3)``: taps ``3g .. 3g + 2`` of a kernel row in the first
+    three bytes of each channel's dword, the fourth byte zero."""
+    c, kh, kw = w.shape
+    g = -(-kw // 3)
+    cp = -(-c // 16) * 16
+    wz = np.zeros((cp, kh, g, 4), np.int8)
+    for t in range(kw):
+        wz[:c, :, t // 3, t % 3] = w[:, :, t]
+    return np.ascontiguousarray(
+        wz.reshape(cp // 16, 16, kh, g, 4).transpose(0, 2, 3, 1, 4)).reshape(-1)
+
+
 def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarray,
                 zout: int, qmin: int, qmax: int, *, m1: np.ndarray | None = None,
                 res_zp: int = 0, res_signed: bool = False,
@@ -225,7 +259,7 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     with np.errstate(over="ignore"):
         add = (np.left_shift(np.int64(1), shift_c - 1) - np.int64(res_zp) * m1_c).astype(np.int64)
     if acc_bound is None:
-        acc_bound = s.kh * s.kw * s.c * 255 * 128
+        acc_bound = s.kh * s.kw * (1 if s.depthwise else s.c) * 255 * 128
     floating = dequant_scale is not None
     narrow = not floating and narrow_epilogue(bias_c[:s.f], m0_c[:s.f], m1_c[:s.f],
                                               shift_c[:s.f], acc_bound)
@@ -339,9 +373,9 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
     elif residual:
         ins.append((et, s.n * s.oh * s.ow * s.f))
     order = [0, 1, 2, 3 if residual or matmul else 0, len(ins)]
-    return _executable(name, obj, ins, (et, s.out_size), order,
-                       MATMUL_SYMBOL if matmul else SYMBOL, (s.blocks, s.chunks, s.n), target,
-                       entry)
+    symbol = MATMUL_SYMBOL if matmul else DW_SYMBOL if s.depthwise else SYMBOL
+    return _executable(name, obj, ins, (et, s.out_size), order, symbol,
+                       (s.blocks, s.chunks, s.n), target, entry)
 
 
 def quantize_executable_mlir(name: str, obj: Path, q: QuantizeShape, nparams: int, target: str,

@@ -255,6 +255,37 @@ TILES(2)
 TILES(3)
 TILES(4)
 
+// The epilogue's parameters from the header h (pack_params): its scalars, then the per-channel
+// tables of fp channels each.
+INLINE void epi_init(const int64_t* h, epi_args* e) {
+  const int64_t fp = h[H_FP];
+  const int64_t* per = h + HEADER;
+  e->bias = per; e->m0 = per + fp; e->m1 = per + 2 * fp; e->add = per + 3 * fp;
+  e->shift = per + 4 * fp;
+  e->zout = h[H_ZOUT]; e->qmin = h[H_QMIN]; e->qmax = h[H_QMAX];
+  e->res = (int)h[H_RES]; e->res_signed = (int)h[H_RES_SIGNED];
+  e->narrow = (int)h[H_NARROW];
+  e->res_zp = (int32_t)h[H_RES_ZP];
+  e->sat_signed = (int)h[H_SIGNED];
+  e->clamp_lo = (int)h[H_CLAMP_LO]; e->clamp_hi = (int)h[H_CLAMP_HI];
+  e->zfold = (int)h[H_ZFOLD];        // the output zero point is in round32
+  e->fout = (int)h[H_FLOAT];
+  const int64_t* nt = per + 5 * fp;        // the narrow tables (pack_params)
+  e->scale32 = (const float*)nt;            // a dequantize's 2^-sh (the narrow tables' place)
+  e->bias32 = (const int32_t*)nt;
+  e->m0_32 = e->bias32 + fp;
+  e->m0_odd = e->m0_32 + fp;
+  e->m1_32 = e->m0_odd + fp;
+  e->m1_odd = e->m1_32 + fp;
+  e->round32 = e->m1_odd + fp;
+  e->sh32 = e->round32 + fp;
+  // H_LUT: after the narrow tables, the table's index base (i64), 256 i32 entries, 256 bytes
+  const int64_t* lt = nt + 7 * fp / 2;
+  e->lut = h[H_LUT] ? (const int32_t*)(lt + 1) : 0;
+  e->lut8 = (const uint8_t*)(lt + 1 + 128);
+  e->lut_lo = h[H_LUT] ? (int32_t)lt[0] : 0;
+}
+
 // One chunk of H_CHUNK output pixels (flattened over OH x OW, so a tile of 6 may span rows) of
 // image n for one 64-channel block; `terms` (matmuls only, else 0) holds the per-pixel terms
 // [N][OH * OW] then the per-channel terms [N][FP], and each image n has its own packed weights
@@ -276,32 +307,8 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   const int nr = nr16 > 4 ? 4 : (int)nr16;
   a.w = wb + wo + n * h[H_WSTRIDE] + c0 * k;
   epi_args e;
-  const int64_t* per = h + HEADER;
-  e.bias = per; e.m0 = per + fp; e.m1 = per + 2 * fp; e.add = per + 3 * fp;
-  e.shift = per + 4 * fp;
-  e.zout = h[H_ZOUT]; e.qmin = h[H_QMIN]; e.qmax = h[H_QMAX];
-  e.res = (int)h[H_RES]; e.res_signed = (int)h[H_RES_SIGNED];
-  e.narrow = (int)h[H_NARROW];
-  e.res_zp = (int32_t)h[H_RES_ZP];
-  e.sat_signed = (int)h[H_SIGNED];
-  e.clamp_lo = (int)h[H_CLAMP_LO]; e.clamp_hi = (int)h[H_CLAMP_HI];
-  e.zfold = (int)h[H_ZFOLD];        // the output zero point is in round32
-  e.fout = (int)h[H_FLOAT];
+  epi_init(h, &e);
   const int64_t esz = e.fout ? 4 : 1;     // bytes per output (and residual) element
-  const int64_t* nt = per + 5 * fp;        // the narrow tables (pack_params)
-  e.scale32 = (const float*)nt;            // a dequantize's 2^-sh (the narrow tables' place)
-  e.bias32 = (const int32_t*)nt;
-  e.m0_32 = e.bias32 + fp;
-  e.m0_odd = e.m0_32 + fp;
-  e.m1_32 = e.m0_odd + fp;
-  e.m1_odd = e.m1_32 + fp;
-  e.round32 = e.m1_odd + fp;
-  e.sh32 = e.round32 + fp;
-  // H_LUT: after the narrow tables, the table's index base (i64), 256 i32 entries, 256 bytes
-  const int64_t* lt = nt + 7 * fp / 2;
-  e.lut = h[H_LUT] ? (const int32_t*)(lt + 1) : 0;
-  e.lut8 = (const uint8_t*)(lt + 1 + 128);
-  e.lut_lo = h[H_LUT] ? (int32_t)lt[0] : 0;
   const int64_t pixels = ohn * ow;
   const int64_t p0 = chunk * h[H_CHUNK];
   const int64_t p1 = p0 + h[H_CHUNK] < pixels ? p0 + h[H_CHUNK] : pixels;
@@ -829,5 +836,222 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
       __m512i o = rq16_scalar(a, h + A_B2, n2);
       _mm_mask_storeu_epi8((void*)(yr + 16 * c), live16(d - 16 * c), _mm512_cvtepi32_epi8(o));
     }
+  }
+}
+
+// Depthwise conv (one filter per channel, groups == C == F) with the requantize epilogue, for
+// AVX-512 VBMI hosts. The weights are packed per 16 channels as [KH][G][16][4] s8, G = ceil(KW /
+// 3): taps 3g..3g+2 of one kernel row of each channel in one dword (the fourth byte and taps
+// past KW zero), the operand vpdpbusd wants. For P output pixels of one output row at a time
+// (P = 6 at stride 1, 3 at stride 2), each tap group of a kernel row loads the 8 input pixels
+// from (ox · SW + 3g), and one vpermt2b per output pixel and 16 channels gathers its three taps
+// into those dwords from two registers: per 16 outputs and tap group, one vpermt2b and one
+// vpdpbusd, plus the loads. Channels go 32 at a time (pixel pairs [p, p + 1] of 32 channels
+// per register: 4 loads for 8 pixels), a last block of 16 on its own (16 channels of 4
+// pixels per register). The input is padded by its zero point (the bias holds -zp_x · sum w),
+// C a multiple of 16. One call is one output row of image n for one block of 64 channels
+// (grid (ceil(C / 64), OH, N)).
+#define DW_INLINE static inline __attribute__((always_inline, target("avx512vbmi")))
+
+// the per-channel requantize of 16 channels held in registers (narrow epilogue, no residual,
+// no table; the others take store16 / store16_narrow)
+typedef struct { __m512i m0e, m0o, rnd, sh, zo, lo, hi; } dw_rq;
+
+DW_INLINE dw_rq dw_rq_at(const epi_args* e, int64_t c0) {
+  dw_rq q;
+  q.m0e = _mm512_loadu_si512((const void*)(e->m0_32 + c0));
+  q.m0o = _mm512_loadu_si512((const void*)(e->m0_odd + c0));
+  q.rnd = _mm512_loadu_si512((const void*)(e->round32 + c0));
+  q.sh = _mm512_loadu_si512((const void*)(e->sh32 + c0));
+  q.zo = _mm512_set1_epi32(e->zfold ? 0 : (int32_t)e->zout);
+  q.lo = _mm512_set1_epi32((int32_t)e->qmin);
+  q.hi = _mm512_set1_epi32((int32_t)e->qmax);
+  return q;
+}
+
+DW_INLINE void dw_store(__m512i v, const dw_rq* q, const epi_args* e, int64_t c, uint8_t* y,
+                        __mmask16 mask, const int lean) {
+  if (!lean) {
+    if (e->narrow)
+      store16_narrow(v, e, c, 0, y, mask);
+    else
+      store16(v, e, c, 0, y, mask);
+    return;
+  }
+  const __m512i pe = _mm512_mul_epi32(v, q->m0e);
+  const __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), q->m0o);
+  __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
+  t = _mm512_srav_epi32(_mm512_add_epi32(t, q->rnd), q->sh);
+  t = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(t, q->zo), q->lo), q->hi);
+  _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(t));
+}
+
+// one output row, 32 channels from c0 (x, y and w at those channels)
+DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, int64_t groups,
+                        int64_t wp, int64_t ow, const int8_t* w, int64_t kbytes,
+                        const __m512i idx[2][2], const epi_args* e, int64_t c0, uint8_t* y,
+                        int64_t f, const int S, const int P, const int lean) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i init0 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0)) : zero;
+  const __m512i init1 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0 + 16)) : zero;
+  const dw_rq q0 = dw_rq_at(e, c0), q1 = dw_rq_at(e, c0 + 16);
+  for (int64_t ox = 0; ox < ow; ox += P) {
+    // the 8 pixels of each tap group (those past the row repeat its last pixel: they only
+    // feed outputs past OW or taps whose weight is zero)
+    int64_t off[3][8];
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = ox * S + 3 * g, last = wp - 1;
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) off[g][t] = (first + t < last ? first + t : last) * c;
+    }
+    __m512i acc[6][2];
+#pragma GCC unroll 6
+    for (int j = 0; j < P; ++j) { acc[j][0] = init0; acc[j][1] = init1; }
+    for (int64_t i = 0; i < kh; ++i) {
+      const uint8_t* r = x + i * row;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t* o = off[g];
+        __m512i z[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k)
+          z[k] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(r + o[2 * k]))),
+              _mm256_loadu_si256((const __m256i*)(r + o[2 * k + 1])), 1);
+        const int8_t* wg = w + 64 * (i * groups + g);
+        const __m512i w0 = _mm512_loadu_si512((const void*)wg);
+        const __m512i w1 = _mm512_loadu_si512((const void*)(wg + kbytes));
+#pragma GCC unroll 6
+        for (int j = 0; j < P; ++j) {
+          const int a = (j * S) >> 1, par = (j * S) & 1;
+          acc[j][0] = _mm512_dpbusd_epi32(
+              acc[j][0], _mm512_permutex2var_epi8(z[a], idx[par][0], z[a + 1]), w0);
+          acc[j][1] = _mm512_dpbusd_epi32(
+              acc[j][1], _mm512_permutex2var_epi8(z[a], idx[par][1], z[a + 1]), w1);
+        }
+      }
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < P; ++j) {
+      if (ox + j >= ow) break;
+      uint8_t* yp = y + (ox + j) * f;
+      dw_store(acc[j][0], &q0, e, c0, yp, 0xFFFF, lean);
+      dw_store(acc[j][1], &q1, e, c0 + 16, yp + 16, 0xFFFF, lean);
+    }
+  }
+}
+
+// one output row, 16 channels from c0 (the last block when C is no multiple of 32)
+DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, int64_t groups,
+                        int64_t wp, int64_t ow, const int8_t* w, const __m512i* idx,
+                        const epi_args* e, int64_t c0, uint8_t* y, int64_t f, const int S,
+                        const int P, const int lean) {
+  const __m512i init = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0))
+                                 : _mm512_setzero_si512();
+  const dw_rq q = dw_rq_at(e, c0);
+  for (int64_t ox = 0; ox < ow; ox += P) {
+    int64_t off[3][8];
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = ox * S + 3 * g, last = wp - 1;
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) off[g][t] = (first + t < last ? first + t : last) * c;
+    }
+    __m512i acc[6];
+#pragma GCC unroll 6
+    for (int j = 0; j < P; ++j) acc[j] = init;
+    for (int64_t i = 0; i < kh; ++i) {
+      const uint8_t* r = x + i * row;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t* o = off[g];
+        __m512i z[2];
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; ++k) {
+          __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(r + o[4 * k])));
+          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[4 * k + 1])), 1);
+          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[4 * k + 2])), 2);
+          z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[4 * k + 3])), 3);
+        }
+        const __m512i wv = _mm512_loadu_si512((const void*)(w + 64 * (i * groups + g)));
+#pragma GCC unroll 6
+        for (int j = 0; j < P; ++j)
+          acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_permutex2var_epi8(z[0], idx[j], z[1]), wv);
+      }
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < P; ++j) {
+      if (ox + j >= ow) break;
+      const int64_t left = f - c0;
+      dw_store(acc[j], &q, e, c0, y + (ox + j) * f,
+               left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u), lean);
+    }
+  }
+}
+
+#define DW_ROWS(S, P, LEAN)                                                                  \
+  for (int64_t c0 = cb; c0 < ce; c0 += 32) {                                                 \
+    const int8_t* w = wb + wo + (c0 >> 4) * kbytes;                                          \
+    if (c0 + 32 <= ce)                                                                       \
+      dw_row32(x + c0, c, wp * c, kh, groups, wp, ow, w, kbytes, idx32, &e, c0, y + c0, f,   \
+               S, P, LEAN);                                                                  \
+    else                                                                                     \
+      dw_row16(x + c0, c, wp * c, kh, groups, wp, ow, w, idx16, &e, c0, y + c0, f, S, P,     \
+               LEAN);                                                                        \
+  }
+
+__attribute__((target("avx512vbmi")))
+void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                    const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
+                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oy, int64_t n) {
+  (void)rb; (void)ro;
+  const int64_t* h = pb + po;
+  const int64_t hp = h[H_HP], wp = h[H_WP], c = h[H_C], kh = h[H_KH], kw = h[H_KW];
+  const int64_t sh = h[H_SH], sw = h[H_SW], ow = h[H_OW], f = h[H_F], ohn = h[H_OH];
+  const int64_t groups = (kw + 2) / 3;
+  epi_args e;
+  epi_init(h, &e);
+  // vpermt2b indices: byte 4 ch + t of output j's operand is tap t (pixel j·SW + t) of channel
+  // ch; 16 channels: 4 pixels of 16 per register; 32: pixel pairs of 32 per register, from the
+  // pair that holds pixel j·SW (its parity picks the pattern)
+  __m512i idx16[6], idx32[2][2];
+  for (int j = 0; j < 6; ++j) {
+    uint8_t b[64];
+    for (int ch = 0; ch < 16; ++ch)
+      for (int t = 0; t < 4; ++t) {
+        const int64_t px = j * sw + t;
+        b[4 * ch + t] = (uint8_t)(16 * (px < 8 ? px : 7) + ch);
+      }
+    idx16[j] = _mm512_loadu_si512((const void*)b);
+  }
+  for (int par = 0; par < 2; ++par)
+    for (int half = 0; half < 2; ++half) {
+      uint8_t b[64];
+      for (int ch = 0; ch < 16; ++ch)
+        for (int t = 0; t < 4; ++t)
+          b[4 * ch + t] = (uint8_t)(32 * (par + (t < 3 ? t : 2)) + 16 * half + ch);
+      idx32[par][half] = _mm512_loadu_si512((const void*)b);
+    }
+  const uint8_t* x = xb + xo + (n * hp + oy * sh) * wp * c;
+  uint8_t* y = yb + yo + (n * ohn + oy) * ow * f;
+  const int64_t kbytes = kh * groups * 64;      // packed weights per 16 channels
+  const int64_t cb = blk * 64, ce = cb + 64 < f ? cb + 64 : f;
+  const int lean = e.narrow && !e.lut;
+  // the common kernels with their loop counts known (3x3, 5x5), the rest generic
+#define DW_KERNELS(S, P, LEAN)                                                               \
+  if (kh == 3 && groups == 1) {                                                              \
+    const int64_t kh = 3, groups = 1;                                                        \
+    DW_ROWS(S, P, LEAN)                                                                      \
+  } else if (kh == 5 && groups == 2) {                                                       \
+    const int64_t kh = 5, groups = 2;                                                        \
+    DW_ROWS(S, P, LEAN)                                                                      \
+  } else {                                                                                   \
+    DW_ROWS(S, P, LEAN)                                                                      \
+  }
+  if (sw == 1 && lean) {
+    DW_KERNELS(1, 6, 1)
+  } else if (sw == 1) {
+    DW_KERNELS(1, 6, 0)
+  } else if (lean) {
+    DW_KERNELS(2, 3, 1)
+  } else {
+    DW_KERNELS(2, 3, 0)
   }
 }
