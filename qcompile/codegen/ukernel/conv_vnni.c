@@ -204,6 +204,32 @@ INLINE void store16_float(__m512i acc, const epi_args* e, int64_t c, const uint8
   _mm512_mask_storeu_ps((void*)y, mask, f);
 }
 
+// The narrow requantize of 16 channels with its per-channel tables held in registers across
+// the pixels of a tile or row ("lean": no residual, no table, int8 out; store16_narrow's
+// result).
+typedef struct { __m512i m0e, m0o, rnd, sh, zo, lo, hi; } rq_regs;
+
+INLINE rq_regs rq_at(const epi_args* e, int64_t c0) {
+  rq_regs q;
+  q.m0e = _mm512_loadu_si512((const void*)(e->m0_32 + c0));
+  q.m0o = _mm512_loadu_si512((const void*)(e->m0_odd + c0));
+  q.rnd = _mm512_loadu_si512((const void*)(e->round32 + c0));
+  q.sh = _mm512_loadu_si512((const void*)(e->sh32 + c0));
+  q.zo = _mm512_set1_epi32(e->zfold ? 0 : (int32_t)e->zout);
+  q.lo = _mm512_set1_epi32((int32_t)e->qmin);
+  q.hi = _mm512_set1_epi32((int32_t)e->qmax);
+  return q;
+}
+
+INLINE void store16_lean(__m512i v, const rq_regs* q, uint8_t* y, __mmask16 mask) {
+  const __m512i pe = _mm512_mul_epi32(v, q->m0e);
+  const __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), q->m0o);
+  __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
+  t = _mm512_srav_epi32(_mm512_add_epi32(t, q->rnd), q->sh);
+  t = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(t, q->zo), q->lo), q->hi);
+  _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(t));
+}
+
 // Per-pixel and per-channel i32 terms added to the accumulators before the requantize (the
 // zero-point corrections of a matmul whose operands are both run-time values); 0 for convs.
 typedef struct {
@@ -213,9 +239,27 @@ typedef struct {
 
 INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
                      const uint8_t* const* xs, int64_t c0, int64_t f, const uint8_t* r,
-                     uint8_t* const* ys, int MR, int NR) {
+                     uint8_t* const* ys, int MR, int NR, const int lean) {
   __m512i acc[6][4];
   tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
+  if (lean) {             // the tables of each 16 channels once for the tile's pixels
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const int64_t c = c0 + 16 * j, left = f - c;
+      const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
+                             : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+      const rq_regs q = rq_at(e, c);
+      const __m512i col = t ? _mm512_loadu_si512((const void*)(t->col + c))
+                            : _mm512_setzero_si512();
+#pragma GCC unroll 6
+      for (int m = 0; m < MR; ++m) {
+        __m512i v = acc[m][j];
+        if (t) v = _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col);
+        store16_lean(v, &q, ys[m] + 16 * j, mask);
+      }
+    }
+    return;
+  }
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -240,11 +284,14 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
 }
 
 #define TILE_CASE(MR, NR) \
-  case MR: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR); break;
+  case MR:                                                                                \
+    if (lean) run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, 1);                             \
+    else run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, 0);                                  \
+    break;
 #define TILES(NR)                                                                         \
   static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
                          const uint8_t* const* xs, int64_t c0, int64_t f,                 \
-                         const uint8_t* r, uint8_t* const* ys, int mr) {                  \
+                         const uint8_t* r, uint8_t* const* ys, int mr, int lean) {        \
     switch (mr) {                                                                         \
       TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
       TILE_CASE(5, NR) TILE_CASE(6, NR)                                                   \
@@ -309,6 +356,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   epi_args e;
   epi_init(h, &e);
   const int64_t esz = e.fout ? 4 : 1;     // bytes per output (and residual) element
+  const int lean = e.narrow && !e.res && !e.lut && !e.fout;
   const int64_t pixels = ohn * ow;
   const int64_t p0 = chunk * h[H_CHUNK];
   const int64_t p1 = p0 + h[H_CHUNK] < pixels ? p0 + h[H_CHUNK] : pixels;
@@ -362,10 +410,10 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     const uint8_t* rp = e.res ? rb + (ro + (image + p) * f + c0) * esz : 0;
     if (terms) tt.row = terms + image + p;
     switch (nr) {
-      case 1: tiles_1(&a, &e, t, xs, c0, f, rp, ys, mr); break;
-      case 2: tiles_2(&a, &e, t, xs, c0, f, rp, ys, mr); break;
-      case 3: tiles_3(&a, &e, t, xs, c0, f, rp, ys, mr); break;
-      default: tiles_4(&a, &e, t, xs, c0, f, rp, ys, mr); break;
+      case 1: tiles_1(&a, &e, t, xs, c0, f, rp, ys, mr, lean); break;
+      case 2: tiles_2(&a, &e, t, xs, c0, f, rp, ys, mr, lean); break;
+      case 3: tiles_3(&a, &e, t, xs, c0, f, rp, ys, mr, lean); break;
+      default: tiles_4(&a, &e, t, xs, c0, f, rp, ys, mr, lean); break;
     }
   }
 }
@@ -853,37 +901,14 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 // (grid (ceil(C / 64), OH, N)).
 #define DW_INLINE static inline __attribute__((always_inline, target("avx512vbmi")))
 
-// the per-channel requantize of 16 channels held in registers (narrow epilogue, no residual,
-// no table; the others take store16 / store16_narrow)
-typedef struct { __m512i m0e, m0o, rnd, sh, zo, lo, hi; } dw_rq;
-
-DW_INLINE dw_rq dw_rq_at(const epi_args* e, int64_t c0) {
-  dw_rq q;
-  q.m0e = _mm512_loadu_si512((const void*)(e->m0_32 + c0));
-  q.m0o = _mm512_loadu_si512((const void*)(e->m0_odd + c0));
-  q.rnd = _mm512_loadu_si512((const void*)(e->round32 + c0));
-  q.sh = _mm512_loadu_si512((const void*)(e->sh32 + c0));
-  q.zo = _mm512_set1_epi32(e->zfold ? 0 : (int32_t)e->zout);
-  q.lo = _mm512_set1_epi32((int32_t)e->qmin);
-  q.hi = _mm512_set1_epi32((int32_t)e->qmax);
-  return q;
-}
-
-DW_INLINE void dw_store(__m512i v, const dw_rq* q, const epi_args* e, int64_t c, uint8_t* y,
+DW_INLINE void dw_store(__m512i v, const rq_regs* q, const epi_args* e, int64_t c, uint8_t* y,
                         __mmask16 mask, const int lean) {
-  if (!lean) {
-    if (e->narrow)
-      store16_narrow(v, e, c, 0, y, mask);
-    else
-      store16(v, e, c, 0, y, mask);
-    return;
-  }
-  const __m512i pe = _mm512_mul_epi32(v, q->m0e);
-  const __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), q->m0o);
-  __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
-  t = _mm512_srav_epi32(_mm512_add_epi32(t, q->rnd), q->sh);
-  t = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(t, q->zo), q->lo), q->hi);
-  _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(t));
+  if (lean)
+    store16_lean(v, q, y, mask);
+  else if (e->narrow)
+    store16_narrow(v, e, c, 0, y, mask);
+  else
+    store16(v, e, c, 0, y, mask);
 }
 
 // one output row, 32 channels from c0 (x, y and w at those channels)
@@ -894,7 +919,7 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
   const __m512i zero = _mm512_setzero_si512();
   const __m512i init0 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0)) : zero;
   const __m512i init1 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0 + 16)) : zero;
-  const dw_rq q0 = dw_rq_at(e, c0), q1 = dw_rq_at(e, c0 + 16);
+  const rq_regs q0 = rq_at(e, c0), q1 = rq_at(e, c0 + 16);
   for (int64_t ox = 0; ox < ow; ox += P) {
     // the 8 pixels of each tap group (those past the row repeat its last pixel: they only
     // feed outputs past OW or taps whose weight is zero)
@@ -947,7 +972,7 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
                         const int P, const int lean) {
   const __m512i init = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0))
                                  : _mm512_setzero_si512();
-  const dw_rq q = dw_rq_at(e, c0);
+  const rq_regs q = rq_at(e, c0);
   for (int64_t ox = 0; ox < ow; ox += P) {
     int64_t off[3][8];
     for (int64_t g = 0; g < groups; ++g) {
