@@ -63,6 +63,7 @@ SHAPES = {
     "8x8x20-37-1x1-shift": (1, 8, 8, 20, 37, 1, 1, 0, False),
     "28x28x64-64-3x3+res-shift31": (1, 28, 28, 64, 64, 3, 1, 1, True),
     "8x8x20-40-1x1-shift62": (1, 8, 8, 20, 40, 1, 1, 0, False),
+    "28x28x32-64-1x1-shift30": (1, 28, 28, 32, 64, 1, 1, 0, False),
     # MiniLM's linears at seq 128, batch 1 (M = 128 rows as a 1 x 128 image)
     "minilm-qkv-128x384-1152": (1, 1, 128, 384, 1152, 1, 1, 0, False),
     "minilm-ffn1-128x384-1536": (1, 1, 128, 384, 1536, 1, 1, 0, False),
@@ -103,8 +104,11 @@ def layer(name, spec, out, rng, *, wide=False, lut=False):
     shift = np.asarray([31 - np.frexp(r)[1] for r in real], np.int64)
     if f == 37:   # a small shift
         shift = np.minimum(shift, 20)
-    if name.endswith("shift31"):   # a residual term's multiplier sets the shift (wide path)
+    if name.endswith("shift31"):   # a residual term's multiplier sets the shift (narrow, k 30)
         shift = np.full(f, 31)
+    if name.endswith("shift30"):   # narrow with k = 29, no residual
+        shift = np.full(f, 30)
+        m0 = np.minimum(m0, 2**20)
     if name.endswith("shift62"):   # narrow, but the zero point too large to fold at this shift
         shift = np.full(f, 62)
         m0 = np.full(f, 2**31 - 1)

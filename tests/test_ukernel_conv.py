@@ -67,19 +67,24 @@ def test_microkernel_epilogues__narrow_and_wide_bit_exact_on_every_output_range(
     rng = np.random.default_rng(1)
     names = ["56x56x144-24-1x1+res", "9x11x6-40-3x3s2+res", "8x8x20-37-1x1-shift",
              "28x28x64-64-3x3+res-shift31", "28x28x32-192-1x1", "14x14x384-64-1x1",
-             "8x8x20-40-1x1-shift62"]
+             "8x8x20-40-1x1-shift62", "28x28x32-64-1x1-shift30"]
     chosen, folded = [], []
     for i, name in enumerate(names * 2):
         layer = kbench.layer(name, kbench.SHAPES[name], kbench.OUTPUTS[i % 5], rng, wide=wide)
         y, _ = kbench.run(lib, layer, 1)
         np.testing.assert_array_equal(y.reshape(layer["ref"].shape), layer["ref"], err_msg=name)
-        chosen.append(bool(layer["p"][ukernel.H_NARROW]))
+        chosen.append(int(layer["p"][ukernel.H_NARROW]))
         folded.append(bool(layer["p"][ukernel.H_ZFOLD]))
-    # narrow wherever every shift is >= 33 (the -shift layers have shifts 20 and 31); the
-    # output zero point folds into the rounding term except at shift 62
-    want = [not wide and ("shift" not in n or n.endswith("62")) for n in names * 2]
+    # the narrow split k: 32 wherever every shift is >= 33; shift - 1 below that where the sums
+    # T >> k fit in i32 (the residual conv at shift 31, the 1x1 at shift 30), not at shift 20
+    # (a 31-bit multiplier); the output zero point folds into the rounding term except at
+    # shift 62
+    k = {"8x8x20-37-1x1-shift": 0, "28x28x64-64-3x3+res-shift31": 30,
+         "28x28x32-64-1x1-shift30": 29}
+    want = [0 if wide else k.get(n, 32) for n in names * 2]
     assert chosen == want
-    assert folded == [w and not n.endswith("62") for w, n in zip(want, names * 2, strict=True)]
+    assert folded == [w > 0 and not n.endswith("62")
+                      for w, n in zip(want, names * 2, strict=True)]
 
 
 @needs_vnni
@@ -107,7 +112,15 @@ def test_microkernel_table_epilogue__bit_exact_narrow_and_wide(tmp_path, vbmi):
 def test_narrow_epilogue__only_where_the_32_bit_form_is_exact():
     ok = dict(bias=np.array([5, -9]), m0=np.array([2**30, 2**31 - 1]), m1=np.zeros(2, int),
               shift=np.array([33, 62]), acc_bound=1000)
-    assert ukernel.narrow_epilogue(**ok)
+    assert ukernel.narrow_epilogue(**ok) and ukernel.narrow_shift(**ok) == 32
+    # below shift 33: k = min(shift) - 1 where |T >> k| and the rounding term fit in i32 and
+    # every shift - k is at most 31
+    low = {**ok, "shift": np.array([31, 40]), "m0": np.array([2**20, 2**20])}
+    assert not ukernel.narrow_epilogue(**low) and ukernel.narrow_shift(**low) == 30
+    assert ukernel.narrow_shift(**{**low, "shift": np.array([31, 62])}) == 0       # 62 - 30
+    assert ukernel.narrow_shift(**{**low, "m0": np.array([2**31 - 1, 2**30]),
+                                   "acc_bound": 2**30}) == 0                     # T >> 30
+    assert ukernel.narrow_shift(**{**low, "shift": np.array([1, 9])}) == 0
     assert not ukernel.narrow_epilogue(**{**ok, "shift": np.array([32, 40])})
     assert not ukernel.narrow_epilogue(**{**ok, "bias": np.array([2**31 - 1000, 0])})
     assert not ukernel.narrow_epilogue(**{**ok, "m1": np.array([2**31, 0])})

@@ -47,7 +47,7 @@ def cflags() -> tuple[str, ...]:
 
 
 HEADER = 32
-H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue runs
+H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue's split k (0: i64 lanes)
 H_ZFOLD = 29        # header slot: the output zero point is folded into its rounding term
 H_FLOAT = 30        # header slot: a dequantize (f32 out, f32 residual)
 H_LUT = 31          # header slot: a 256-entry table applied to the requantized codes
@@ -261,41 +261,43 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     if acc_bound is None:
         acc_bound = s.kh * s.kw * (1 if s.depthwise else s.c) * 255 * 128
     floating = dequant_scale is not None
-    narrow = not floating and narrow_epilogue(bias_c[:s.f], m0_c[:s.f], m1_c[:s.f],
-                                              shift_c[:s.f], acc_bound)
+    real = slice(0, s.f)
+    # the narrow epilogue's split k (0: the i64 form): the sums T >> k go on in i32 lanes
+    k = 0 if floating else narrow_shift(bias_c[real], m0_c[real], m1_c[real], shift_c[real],
+                                        acc_bound)
+    narrow = k > 0
     # clamps the saturating narrow store does not make: s8 codes saturate to [-128, 127], u8
     # codes (qmax > 127) to [0, 255] once the negatives are clamped away
     signed = qmax <= 127
     clamp_lo = not (signed and qmin == -128)
     clamp_hi = qmax not in (127, 255)
-    # the output zero point folds into the narrow rounding term (zp · 2^(s-32) is a multiple
-    # of the remaining shift) where that term and the high half |T >> 32| still fit in i32
-    round32 = np.left_shift(np.int64(1), np.maximum(shift_c, 33) - 33)
+    # the output zero point folds into the narrow rounding term (zp · 2^(s-k) is a multiple
+    # of the remaining shift) where that term and |T >> k| still fit in i32
+    sh_k = np.maximum(shift_c, k + 1)       # (the padding channels' shifts are never used)
+    round32 = np.left_shift(np.int64(1), sh_k - 1 - k) if narrow else np.zeros(fp, np.int64)
     zfold = False
     if narrow:
-        real = slice(0, s.f)
-        high = ((acc_bound + int(np.max(np.abs(bias_c[real])))) * int(np.max(m0_c[real]))
-                + 512 * int(np.max(m1_c[real]))) >> 32
-        lift = [int(r) + (abs(int(zout)) << int(sh - 32)) for r, sh in
+        high = _t_bound(bias_c[real], m0_c[real], m1_c[real], acc_bound) >> k
+        lift = [int(r) + (abs(int(zout)) << int(sh - k)) for r, sh in
                 zip(round32[real], shift_c[real], strict=True)]
         zfold = high + 1 + max(lift) < 2**31
         if zfold:
-            round32 = round32 + np.int64(zout) * np.left_shift(np.int64(1), shift_c - 32)
+            round32 = round32 + np.int64(zout) * np.left_shift(np.int64(1), sh_k - k)
     h = np.zeros(HEADER, np.int64)
     h[:32] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
               int(m1 is not None or float_residual), int(res_signed), zout, qmin,
-              qmax, s.n, s.wstride, s.chunk, *s.out_pad, s.out_fill, int(narrow), res_zp,
+              qmax, s.n, s.wstride, s.chunk, *s.out_pad, s.out_fill, k, res_zp,
               int(signed), int(clamp_lo), int(clamp_hi), int(zfold), int(floating),
               int(lut is not None)]
     # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
     # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
-    # rounding term 2^(s-33) (+ zp · 2^(s-32) where it folds); s - 32. Zeros where the wide
+    # rounding term 2^(s-1-k) (+ zp · 2^(s-k) where it folds); s - k. Zeros where the wide
     # epilogue runs
     i32 = lambda v: v.astype(np.int32).view(np.int64)  # noqa: E731
     odd = lambda v: np.append(v[1:], 0)  # noqa: E731
     if narrow:
         tables = [i32(bias_c), i32(m0_c), i32(odd(m0_c)), i32(m1_c), i32(odd(m1_c)),
-                  i32(round32), i32(np.maximum(shift_c, 32) - 32)]
+                  i32(round32), i32(sh_k - k)]
     elif floating:
         p = np.ones(fp, np.float32)
         p[:s.f] = np.broadcast_to(np.asarray(dequant_scale, np.float32), (s.f,))
@@ -308,6 +310,33 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
         tables += [np.asarray([lut_lo], np.int64), entries.astype(np.int32).view(np.int64),
                    (entries & 255).astype(np.uint8).view(np.int64)]
     return np.concatenate([h, bias_c, m0_c, m1_c, add, shift_c, *tables])
+
+
+def _t_bound(bias: np.ndarray, m0: np.ndarray, m1: np.ndarray, acc_bound: int) -> int:
+    """A bound of ``|T|``, ``T = (acc + bias) m0 + (r - z_r) m1`` (``|r - z_r| <= 255``)."""
+    return ((acc_bound + int(np.max(np.abs(bias)))) * int(np.max(m0))
+            + 256 * int(np.max(m1)))
+
+
+def narrow_shift(bias: np.ndarray, m0: np.ndarray, m1: np.ndarray, shift: np.ndarray,
+                 acc_bound: int) -> int:
+    """The split ``k`` of the narrow epilogue, 0 where it cannot run (the i64 form does).
+
+    32 where :func:`narrow_epilogue` holds (every shift at least 33). Otherwise (a residual
+    term with a multiplier near 1 sets the shift to 30-31) ``k = min(shift) - 1``: since floor
+    shifts compose, ``(T + 2^(s-1)) >> s == ((T >> k) + 2^(s-1-k)) >> (s - k)`` for ``k <
+    s``, and the kernel forms ``T >> k`` from the 64-bit products of even and odd lanes. That
+    needs ``|T >> k|`` plus the rounding term in i32 and ``s - k <= 31``."""
+    if narrow_epilogue(bias, m0, m1, shift, acc_bound):
+        return 32
+    if bias.size == 0 or int(np.max(np.abs(bias))) + acc_bound >= 2**31 or \
+            not (np.all((m0 >= 0) & (m0 < 2**31)) and np.all((m1 >= 0) & (m1 < 2**31))):
+        return 0
+    k = int(np.min(shift)) - 1
+    if k < 1 or int(np.max(shift)) - k > 31:
+        return 0
+    fits = (_t_bound(bias, m0, m1, acc_bound) >> k) + 1 + (1 << (int(np.max(shift)) - 1 - k))
+    return k if fits < 2**31 else 0
 
 
 def narrow_epilogue(bias: np.ndarray, m0: np.ndarray, m1: np.ndarray, shift: np.ndarray,

@@ -79,6 +79,7 @@ typedef struct {
   const int64_t* shift;
   int64_t zout, qmin, qmax;
   int res, res_signed, narrow, sat_signed, clamp_lo, clamp_hi, zfold;
+  int nk;                    // the narrow epilogue's split k (T >> k in i32 lanes; 32 mostly)
   int fout;                  // f32 out (a dequantize), residual f32; else int8
   int32_t res_zp;
   const int32_t* lut;        // H_LUT: a 256-entry table applied to the int8 codes (i32)
@@ -148,11 +149,18 @@ INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r,
     _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(y32));
 }
 
+// T >> k of the 64-bit sums of the even (pe) and odd (po) lanes as 16 i32 lanes (k < 32: a
+// residual term with a multiplier near 1 sets the shift to 30-31; pack_params.narrow_shift)
+INLINE __m512i high_k(__m512i pe, __m512i po, __m128i k, __m128i kl) {
+  return _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srl_epi64(pe, k),
+                                 _mm512_sll_epi64(po, kl));
+}
+
 // The same requantize with 32-bit lanes where it is exact (pack_params: every acc + bias fits in
 // i32, multipliers below 2^31, shifts >= 33). vpmuldq forms the 64-bit products of the even and
 // of the odd channels (m0_odd holds the odd channels' multipliers in the even dwords it reads),
 // and since floor shifts compose, (T + 2^(s-1)) >> s == ((T >> 32) + 2^(s-33)) >> (s-32): only
-// the high halves of the sums T go on, as i32. The bias is already in the accumulator (the
+// the high halves of the sums T go on, as i32 (or T >> k for a k < 32: high_k). The bias is already in the accumulator (the
 // tile starts from it). The saturating store makes the clamps that the range of the output
 // type implies.
 INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_t* r,
@@ -169,7 +177,10 @@ INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_
     po = _mm512_add_epi64(po, _mm512_mul_epi32(
         _mm512_srli_epi64(r32, 32), _mm512_loadu_si512((const void*)(e->m1_odd + c))));
   }
-  __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
+  __m512i t = e->nk == 32 ? _mm512_mask_blend_epi32((__mmask16)0xAAAA,
+                                                     _mm512_srli_epi64(pe, 32), po)
+                          : high_k(pe, po, _mm_cvtsi32_si128(e->nk),
+                                   _mm_cvtsi32_si128(32 - e->nk));
   t = _mm512_add_epi32(t, _mm512_loadu_si512((const void*)(e->round32 + c)));
   t = _mm512_srav_epi32(t, _mm512_loadu_si512((const void*)(e->sh32 + c)));
   if (!e->zfold) t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)e->zout));
@@ -207,28 +218,57 @@ INLINE void store16_float(__m512i acc, const epi_args* e, int64_t c, const uint8
 // The narrow requantize of 16 channels with its per-channel tables held in registers across
 // the pixels of a tile or row ("lean": no residual, no table, int8 out; store16_narrow's
 // result).
-typedef struct { __m512i m0e, m0o, rnd, sh, zo, lo, hi; } rq_regs;
+typedef struct {
+  __m512i m0e, m0o, m1e, m1o, rnd, sh, zo, lo, hi, rzp;
+  __m128i k, kl;           // the split k and 32 - k (LEAN_K)
+  int rs;                  // the residual is s8
+} rq_regs;
+
+enum { LEAN = 1, LEAN_RES = 2, LEAN_K = 4 };   // the lean form's variants (bits)
 
 INLINE rq_regs rq_at(const epi_args* e, int64_t c0) {
   rq_regs q;
   q.m0e = _mm512_loadu_si512((const void*)(e->m0_32 + c0));
   q.m0o = _mm512_loadu_si512((const void*)(e->m0_odd + c0));
+  q.m1e = _mm512_loadu_si512((const void*)(e->m1_32 + c0));
+  q.m1o = _mm512_loadu_si512((const void*)(e->m1_odd + c0));
   q.rnd = _mm512_loadu_si512((const void*)(e->round32 + c0));
   q.sh = _mm512_loadu_si512((const void*)(e->sh32 + c0));
   q.zo = _mm512_set1_epi32(e->zfold ? 0 : (int32_t)e->zout);
   q.lo = _mm512_set1_epi32((int32_t)e->qmin);
   q.hi = _mm512_set1_epi32((int32_t)e->qmax);
+  q.rzp = _mm512_set1_epi32(e->res_zp);
+  q.k = _mm_cvtsi32_si128(e->nk);
+  q.kl = _mm_cvtsi32_si128(32 - e->nk);
+  q.rs = e->res_signed;
   return q;
 }
 
-INLINE void store16_lean(__m512i v, const rq_regs* q, uint8_t* y, __mmask16 mask) {
-  const __m512i pe = _mm512_mul_epi32(v, q->m0e);
-  const __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), q->m0o);
-  __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
+// the lean form's variant for these epilogue parameters (0: not lean)
+INLINE int lean_mode(const epi_args* e) {
+  if (!e->narrow || e->lut || e->fout) return 0;
+  return LEAN | (e->res ? LEAN_RES : 0) | (e->nk != 32 ? LEAN_K : 0);
+}
+
+INLINE void store16_lean(__m512i v, const rq_regs* q, const uint8_t* r, uint8_t* y,
+                         __mmask16 mask, const int mode) {
+  __m512i pe = _mm512_mul_epi32(v, q->m0e);
+  __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), q->m0o);
+  if (mode & LEAN_RES) {
+    const __m128i rb = _mm_maskz_loadu_epi8(mask, (const void*)r);
+    __m512i r32 = q->rs ? _mm512_cvtepi8_epi32(rb) : _mm512_cvtepu8_epi32(rb);
+    r32 = _mm512_sub_epi32(r32, q->rzp);
+    pe = _mm512_add_epi64(pe, _mm512_mul_epi32(r32, q->m1e));
+    po = _mm512_add_epi64(po, _mm512_mul_epi32(_mm512_srli_epi64(r32, 32), q->m1o));
+  }
+  __m512i t = (mode & LEAN_K) ? high_k(pe, po, q->k, q->kl)
+                              : _mm512_mask_blend_epi32((__mmask16)0xAAAA,
+                                                        _mm512_srli_epi64(pe, 32), po);
   t = _mm512_srav_epi32(_mm512_add_epi32(t, q->rnd), q->sh);
   t = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(t, q->zo), q->lo), q->hi);
   _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(t));
 }
+
 
 // Per-pixel and per-channel i32 terms added to the accumulators before the requantize (the
 // zero-point corrections of a matmul whose operands are both run-time values); 0 for convs.
@@ -255,7 +295,7 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       for (int m = 0; m < MR; ++m) {
         __m512i v = acc[m][j];
         if (t) v = _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col);
-        store16_lean(v, &q, ys[m] + 16 * j, mask);
+        store16_lean(v, &q, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask, lean);
       }
     }
     return;
@@ -285,8 +325,16 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
 
 #define TILE_CASE(MR, NR) \
   case MR:                                                                                \
-    if (lean) run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, 1);                             \
-    else run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, 0);                                  \
+    switch (lean) {                                                                       \
+      case LEAN: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN); break;                \
+      case LEAN | LEAN_RES: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN | LEAN_RES); \
+        break;                                                                            \
+      case LEAN | LEAN_K: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN | LEAN_K);     \
+        break;                                                                            \
+      case LEAN | LEAN_RES | LEAN_K:                                                      \
+        run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN | LEAN_RES | LEAN_K); break;     \
+      default: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, 0); break;                     \
+    }                                                                                     \
     break;
 #define TILES(NR)                                                                         \
   static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
@@ -311,7 +359,8 @@ INLINE void epi_init(const int64_t* h, epi_args* e) {
   e->shift = per + 4 * fp;
   e->zout = h[H_ZOUT]; e->qmin = h[H_QMIN]; e->qmax = h[H_QMAX];
   e->res = (int)h[H_RES]; e->res_signed = (int)h[H_RES_SIGNED];
-  e->narrow = (int)h[H_NARROW];
+  e->narrow = h[H_NARROW] != 0;
+  e->nk = (int)h[H_NARROW];
   e->res_zp = (int32_t)h[H_RES_ZP];
   e->sat_signed = (int)h[H_SIGNED];
   e->clamp_lo = (int)h[H_CLAMP_LO]; e->clamp_hi = (int)h[H_CLAMP_HI];
@@ -356,7 +405,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   epi_args e;
   epi_init(h, &e);
   const int64_t esz = e.fout ? 4 : 1;     // bytes per output (and residual) element
-  const int lean = e.narrow && !e.res && !e.lut && !e.fout;
+  const int lean = lean_mode(&e);
   const int64_t pixels = ohn * ow;
   const int64_t p0 = chunk * h[H_CHUNK];
   const int64_t p1 = p0 + h[H_CHUNK] < pixels ? p0 + h[H_CHUNK] : pixels;
@@ -904,7 +953,7 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 DW_INLINE void dw_store(__m512i v, const rq_regs* q, const epi_args* e, int64_t c, uint8_t* y,
                         __mmask16 mask, const int lean) {
   if (lean)
-    store16_lean(v, q, y, mask);
+    store16_lean(v, q, 0, y, mask, LEAN);
   else if (e->narrow)
     store16_narrow(v, e, c, 0, y, mask);
   else
@@ -1058,7 +1107,7 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
   uint8_t* y = yb + yo + (n * ohn + oy) * ow * f;
   const int64_t kbytes = kh * groups * 64;      // packed weights per 16 channels
   const int64_t cb = blk * 64, ce = cb + 64 < f ? cb + 64 : f;
-  const int lean = e.narrow && !e.lut;
+  const int lean = lean_mode(&e) == LEAN;      // (no residual here; the plain k = 32 form)
   // the common kernels with their loop counts known (3x3, 5x5), the rest generic
 #define DW_KERNELS(S, P, LEAN)                                                               \
   if (kh == 3 && groups == 1) {                                                              \
