@@ -64,6 +64,7 @@ SHAPES = {
     "28x28x64-64-3x3+res-shift31": (1, 28, 28, 64, 64, 3, 1, 1, True),
     "8x8x20-40-1x1-shift62": (1, 8, 8, 20, 40, 1, 1, 0, False),
     "28x28x32-64-1x1-shift30": (1, 28, 28, 32, 64, 1, 1, 0, False),
+    "8x8x20-72-1x1-shift62": (1, 8, 8, 20, 72, 1, 1, 0, False),
     # MiniLM's linears at seq 128, batch 1 (M = 128 rows as a 1 x 128 image)
     "minilm-qkv-128x384-1152": (1, 1, 128, 384, 1152, 1, 1, 0, False),
     "minilm-ffn1-128x384-1536": (1, 1, 128, 384, 1536, 1, 1, 0, False),

@@ -250,8 +250,9 @@ INLINE int lean_mode(const epi_args* e) {
   return LEAN | (e->res ? LEAN_RES : 0) | (e->nk != 32 ? LEAN_K : 0);
 }
 
-INLINE void store16_lean(__m512i v, const rq_regs* q, const uint8_t* r, uint8_t* y,
-                         __mmask16 mask, const int mode) {
+// the lean requantize of 16 channels up to the shift: the codes before the output zero point
+INLINE __m512i rq16_lean(__m512i v, const rq_regs* q, const uint8_t* r, __mmask16 mask,
+                         const int mode) {
   __m512i pe = _mm512_mul_epi32(v, q->m0e);
   __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), q->m0o);
   if (mode & LEAN_RES) {
@@ -264,9 +265,45 @@ INLINE void store16_lean(__m512i v, const rq_regs* q, const uint8_t* r, uint8_t*
   __m512i t = (mode & LEAN_K) ? high_k(pe, po, q->k, q->kl)
                               : _mm512_mask_blend_epi32((__mmask16)0xAAAA,
                                                         _mm512_srli_epi64(pe, 32), po);
-  t = _mm512_srav_epi32(_mm512_add_epi32(t, q->rnd), q->sh);
+  return _mm512_srav_epi32(_mm512_add_epi32(t, q->rnd), q->sh);
+}
+
+INLINE void store16_lean(__m512i v, const rq_regs* q, const uint8_t* r, uint8_t* y,
+                         __mmask16 mask, const int mode) {
+  __m512i t = rq16_lean(v, q, r, mask, mode);
   t = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(t, q->zo), q->lo), q->hi);
   _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(t));
+}
+
+// 64 channels of one pixel from their four vectors of codes before the zero point: packed with
+// saturation to i16 (the zero point added there, saturating) and to int8, clamped as bytes, one
+// store. Saturation and the clamps are monotone and [qmin, qmax] lies inside the int8 range, so
+// this equals clamping the i32 sums. The packs work per 128-bit lane: vpermd restores the order.
+typedef struct { __m512i zo16, lo8, hi8, order; int s8; } pack_regs;
+
+INLINE pack_regs pack_at(const epi_args* e) {
+  pack_regs k;
+  k.zo16 = _mm512_set1_epi16((int16_t)(e->zfold ? 0 : e->zout));
+  k.lo8 = _mm512_set1_epi8((char)e->qmin);
+  k.hi8 = _mm512_set1_epi8((char)e->qmax);
+  k.order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  k.s8 = e->sat_signed;
+  return k;
+}
+
+INLINE void store64_lean(__m512i a, __m512i b, __m512i c, __m512i d, const pack_regs* k,
+                         uint8_t* y) {
+  const __m512i ab = _mm512_adds_epi16(_mm512_packs_epi32(a, b), k->zo16);
+  const __m512i cd = _mm512_adds_epi16(_mm512_packs_epi32(c, d), k->zo16);
+  __m512i v;
+  if (k->s8) {
+    v = _mm512_packs_epi16(ab, cd);
+    v = _mm512_min_epi8(_mm512_max_epi8(v, k->lo8), k->hi8);
+  } else {
+    v = _mm512_packus_epi16(ab, cd);
+    v = _mm512_min_epu8(_mm512_max_epu8(v, k->lo8), k->hi8);
+  }
+  _mm512_storeu_si512((void*)y, _mm512_permutexvar_epi32(k->order, v));
 }
 
 
@@ -283,6 +320,27 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
   __m512i acc[6][4];
   tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
   if (lean) {             // the tables of each 16 channels once for the tile's pixels
+    if (NR == 4 && f - c0 >= 64) {
+      // all 64 channels real: the codes first, then per pixel one packed store
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const int64_t c = c0 + 16 * j;
+        const rq_regs q = rq_at(e, c);
+        const __m512i col = t ? _mm512_loadu_si512((const void*)(t->col + c))
+                              : _mm512_setzero_si512();
+#pragma GCC unroll 6
+        for (int m = 0; m < MR; ++m) {
+          __m512i v = acc[m][j];
+          if (t) v = _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col);
+          acc[m][j] = rq16_lean(v, &q, r ? r + m * f + 16 * j : 0, 0xFFFF, lean);
+        }
+      }
+      const pack_regs k = pack_at(e);
+#pragma GCC unroll 6
+      for (int m = 0; m < MR; ++m)
+        store64_lean(acc[m][0], acc[m][1], acc[m][2], acc[m][3], &k, ys[m]);
+      return;
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       const int64_t c = c0 + 16 * j, left = f - c;
