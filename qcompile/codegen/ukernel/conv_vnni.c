@@ -1018,6 +1018,18 @@ DW_INLINE void dw_store(__m512i v, const rq_regs* q, const epi_args* e, int64_t 
     store16(v, e, c, 0, y, mask);
 }
 
+// the byte offsets of the 8 pixels from `first + 3g` of each tap group g (those past the row
+// repeat its last pixel: they only feed outputs past OW or taps whose weight is zero)
+DW_INLINE void dw_offsets(int64_t off[3][8], int64_t first, int64_t groups, int64_t wp,
+                          int64_t c) {
+  for (int64_t g = 0; g < groups; ++g)
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const int64_t px = first + 3 * g + t;
+      off[g][t] = (px < wp - 1 ? px : wp - 1) * c;
+    }
+}
+
 // one output row, 32 channels from c0 (x, y and w at those channels)
 DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, int64_t groups,
                         int64_t wp, int64_t ow, const int8_t* w, int64_t kbytes,
@@ -1028,14 +1040,8 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
   const __m512i init1 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0 + 16)) : zero;
   const rq_regs q0 = rq_at(e, c0), q1 = rq_at(e, c0 + 16);
   for (int64_t ox = 0; ox < ow; ox += P) {
-    // the 8 pixels of each tap group (those past the row repeat its last pixel: they only
-    // feed outputs past OW or taps whose weight is zero)
     int64_t off[3][8];
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t first = ox * S + 3 * g, last = wp - 1;
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) off[g][t] = (first + t < last ? first + t : last) * c;
-    }
+    dw_offsets(off, ox * S, groups, wp, c);
     __m512i acc[6][2];
 #pragma GCC unroll 6
     for (int j = 0; j < P; ++j) { acc[j][0] = init0; acc[j][1] = init1; }
@@ -1082,11 +1088,7 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
   const rq_regs q = rq_at(e, c0);
   for (int64_t ox = 0; ox < ow; ox += P) {
     int64_t off[3][8];
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t first = ox * S + 3 * g, last = wp - 1;
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) off[g][t] = (first + t < last ? first + t : last) * c;
-    }
+    dw_offsets(off, ox * S, groups, wp, c);
     __m512i acc[6];
 #pragma GCC unroll 6
     for (int j = 0; j < P; ++j) acc[j] = init;
@@ -1111,9 +1113,7 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
 #pragma GCC unroll 6
     for (int j = 0; j < P; ++j) {
       if (ox + j >= ow) break;
-      const int64_t left = f - c0;
-      dw_store(acc[j], &q, e, c0, y + (ox + j) * f,
-               left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u), lean);
+      dw_store(acc[j], &q, e, c0, y + (ox + j) * f, 0xFFFF, lean);   // C: a multiple of 16
     }
   }
 }
