@@ -208,8 +208,8 @@ def test_ukernel_artifact__saved_and_reloaded_runs_bit_exactly(tmp_path):
 @needs_vnni
 def test_ukernel_compile_failure__falls_back_to_stock_convs(monkeypatch):
     real = emit_ukernel.link
-    monkeypatch.setattr(emit_ukernel, "link", lambda text, calls, obj, target: real(
-        text, calls, Path("/nonexistent/conv_vnni.o"), target))
+    monkeypatch.setattr(emit_ukernel, "link", lambda text, calls, obj, target, pooled: real(
+        text, calls, Path("/nonexistent/conv_vnni.o"), target, pooled))
     model, x = _compile("relu", True)
     assert model.report["compile"]["workarounds"] == {"1": "stock-convs", "4": "stock-convs"}
     rep = model.report["compile"]["ukernel"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qcompile.codegen import iree_cpu, kernels
+from qcompile.codegen import iree_cpu, kernels, ukernel
 from qcompile.codegen.cpu import BatchModule
 
 
@@ -24,7 +24,8 @@ def _tool(name: str) -> str:
 
 def dispatch_profile(module: BatchModule, inputs: list[np.ndarray], *, repetitions: int = 5,
                      top: int = 15) -> dict[str, Any]:
-    """The slowest dispatches (total time over the repetitions) with their chains."""
+    """The slowest dispatches (total time over the repetitions) with their chains. A pooled
+    module runs with its pool operand zero: each dispatch's workgroups on one thread."""
     with tempfile.TemporaryDirectory(prefix="qcompile-prof-") as tmp:
         vmfb = Path(tmp) / "m.vmfb"
         vmfb.write_bytes(module.vmfb)
@@ -32,6 +33,8 @@ def dispatch_profile(module: BatchModule, inputs: list[np.ndarray], *, repetitio
         for i, x in enumerate(inputs):
             np.save(Path(tmp) / f"in{i}.npy", np.ascontiguousarray(x))
             args.append(f"--input=@{Path(tmp) / f'in{i}.npy'}")
+        if module.pooled:
+            args.append(f"--input={ukernel.CTX_SIZE}xi64=0")
         prof = Path(tmp) / "p.ireeprof"
         subprocess.run([_tool("iree-benchmark-module"), f"--module={vmfb}", "--device=local-task",
                         "--function=main", *args, f"--benchmark_repetitions={repetitions}",

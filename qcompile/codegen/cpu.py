@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,7 @@ import torch
 
 from qcompile.codegen import emit_ukernel, iree_cpu, ukernel
 from qcompile.codegen.mlir_emit import EmitOptions, emit
+from qcompile.codegen.ukernel import pool as upool
 from qcompile.errors import CompileError
 from qcompile.ir.graph import Graph
 from qcompile.ir.types import DType
@@ -44,20 +46,43 @@ class BatchModule:
     mlir: str | None = None
     driver: str = "local-task"        # IREE runtime driver (hip, vulkan for the GPU targets)
     ukernel: dict[str, Any] | None = None   # the microkernel convs of this module
+    pooled: bool = False              # runs inline, its dispatches on qcompile's thread pool
     _module: iree_cpu.Module | None = field(default=None, repr=False)
     _inline: list[iree_cpu.Module] = field(default_factory=list, repr=False)
 
     def module(self) -> iree_cpu.Module:
         if self._module is None:
-            self._module = iree_cpu.Module(self.vmfb, self.driver)
+            if self.pooled:
+                self._module = iree_cpu.Module(self.vmfb, "local-sync", extra=(_pool_ctx(),))
+            else:
+                self._module = iree_cpu.Module(self.vmfb, self.driver)
         return self._module
 
     def inline(self, i: int) -> iree_cpu.Module:
-        """The ``i``-th ``local-sync`` instance (one per data-parallel shard thread)."""
+        """The ``i``-th ``local-sync`` instance (one per data-parallel shard thread; a pooled
+        module's shards keep their dispatches on their own thread)."""
+        extra = (upool.ctx(1),) if self.pooled else ()
         with _LOCK:
             while len(self._inline) <= i:
-                self._inline.append(iree_cpu.Module(self.vmfb, "local-sync"))
+                self._inline.append(iree_cpu.Module(self.vmfb, "local-sync", extra=extra))
             return self._inline[i]
+
+
+def pool_wanted() -> bool:
+    """Whether batches that do not run as shards get pooled modules (``QCOMPILE_POOL``, on
+    unless ``0``)."""
+    return os.environ.get("QCOMPILE_POOL", "1").strip() != "0"
+
+
+def _pool_ctx() -> np.ndarray:
+    """The pool operand for :func:`threads` threads; one thread (with a warning) when the
+    pool cannot be built here."""
+    try:
+        return upool.ctx(threads())
+    except CompileError as err:
+        warnings.warn(f"{err.what}: {err.why}; pooled modules run on one thread",
+                      RuntimeWarning, stacklevel=3)
+        return upool.ctx(1)
 
 
 SHARD_MIN = 4          # samples per data-parallel shard, at least
@@ -133,11 +158,15 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
             if opts.ukernel_convs and not calls:
                 continue                  # nothing to lower: the stock try is the same module
             name = workaround
+            # pooled when every contraction is a microkernel dispatch: what else runs there
+            # (pads, pools, norms) then runs on the calling thread
+            pooled = bool(calls) and not stock and pool_wanted()
             if calls:
                 tried_ukernel = True
                 try:
                     assert uk is not None and uk.obj is not None
-                    text = emit_ukernel.link(text, calls, uk.obj, ukernel.host_target(flags))
+                    text = emit_ukernel.link(text, calls, uk.obj, ukernel.host_target(flags),
+                                             pooled)
                 except CompileError as err:
                     errors.append(str(err))
                     continue
@@ -157,7 +186,8 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
                         "attention": sum(c.attention is not None for c in chains),
                         "table_epilogue": sum(c.lut for c in chains),
                         "depthwise": sum(c.depthwise for c in chains)}
-                return BatchModule(batch, got, flags, name, graph, text, ukernel=info)
+                return BatchModule(batch, got, flags, name, graph, text, ukernel=info,
+                                   pooled=pooled)
             errors.append(got)
     assert first is not None
     raise iree_cpu.failure(first[0], first[1], errors, keep_dir, f"{graph.name}.b{batch}")
@@ -242,7 +272,8 @@ def build(graphs: dict[int, Graph], *, keep_dir: str | Path | None = None,
     report = {"batch_sizes": sorted(modules), "compile_s_per_batch": times,
               "workarounds": {str(b): m.workaround for b, m in modules.items() if m.workaround},
               "flags": list(modules[min(modules)].flags),
-              "ukernel": ukernel_report(uk, modules)}
+              "ukernel": ukernel_report(uk, modules),
+              "pooled_batches": sorted(b for b, m in modules.items() if m.pooled)}
     return CpuRunner(modules, outputs), report
 
 

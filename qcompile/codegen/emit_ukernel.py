@@ -551,28 +551,60 @@ _DECL = re.compile(rf"^ *func\.func private @({_NAMES})\(.*$", re.M)
 _CALL = re.compile(rf"\b(?:func\.)?call @({_NAMES})\(")
 
 
-def link(text: str, calls: Sequence[UkCall], obj: Path, target: str) -> str:
+def link(text: str, calls: Sequence[UkCall], obj: Path, target: str,
+         pooled: bool = False) -> str:
     """``text`` with each microkernel declaration replaced by its ``hal.executable`` (variant
-    target ``target``, object ``obj``) and each call by a ``flow.dispatch``."""
+    target ``target``, object ``obj``) and each call by a ``flow.dispatch``.
+
+    ``pooled``: every dispatch shares its workgroups out over qcompile's thread pool
+    (:mod:`qcompile.codegen.ukernel.pool`), which ``main`` takes as one more, last argument
+    (:data:`POOL_ARG`, ``tensor<CTX_SIZExi64>``)."""
+    from qcompile.errors import CompileError
+
     by_name = {c.name: c for c in calls}
 
     def executable(m: re.Match[str]) -> str:
         c = by_name[m.group(1)]
         if c.quantize is not None:
             return ukernel.quantize_executable_mlir(c.name, obj, c.quantize, c.nparams, target,
-                                                    entry=c.name)
+                                                    entry=c.name, pooled=pooled)
         if c.attention is not None:
             return ukernel.attention_executable_mlir(c.name, obj, c.attention, c.nmask,
-                                                     c.nparams, target, entry=c.name)
+                                                     c.nparams, target, entry=c.name,
+                                                     pooled=pooled)
         if c.multi is not None:
             return ukernel.multi_executable_mlir(c.name, obj, c.shape, c.nweights, c.nparams,
-                                                 c.multi[1], c.multi[0], target, entry=c.name)
+                                                 c.multi[1], c.multi[0], target, entry=c.name,
+                                                 pooled=pooled)
         return ukernel.executable_mlir(c.name, obj, c.shape, c.nparams, c.nweights, c.residual,
                                        target, entry=c.name, matmul=c.matmul,
-                                       floating=c.floating)
+                                       floating=c.floating, pooled=pooled)
 
     text = _DECL.sub(executable, text)
-    return _CALL.sub(lambda m: f"flow.dispatch @{m.group(1)}::@x86::@{m.group(1)}(", text)
+    if not pooled:
+        return _CALL.sub(lambda m: f"flow.dispatch @{m.group(1)}::@x86::@{m.group(1)}(", text)
+    ctx_t = f"tensor<{ukernel.CTX_SIZE}xi64>"
+    text = _POOLED_CALL.sub(
+        lambda m: (f"flow.dispatch @{m.group(1)}::@x86::@{m.group(1)}({m.group(2)}, "
+                   f"%{POOL_ARG}) : ({m.group(3)}, {ctx_t})"), text)
+    if _CALL.search(text):
+        raise CompileError("cpu: a microkernel call has an unexpected form",
+                           why=_CALL.search(text).group(0),  # type: ignore[union-attr]
+                           next="compile with QCOMPILE_POOL=0 and report this model")
+    head = re.search(r"func\.func @main\(", text)
+    if head is None:
+        raise CompileError("cpu: the module has no main function to add the pool argument to")
+    depth, i = 1, head.end()
+    while depth:                  # the argument list's closing parenthesis (locs nest)
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    close = i - 1
+    sep = "" if text[head.end():close].strip() == "" else ", "
+    return f"{text[:close]}{sep}%{POOL_ARG}: {ctx_t}{text[close:]}"
+
+
+_POOLED_CALL = re.compile(rf"\b(?:func\.)?call @({_NAMES})\(([^()]*)\) : \(([^()]*)\)")
+POOL_ARG = "qk_pool"
 
 
 @dataclass(frozen=True)

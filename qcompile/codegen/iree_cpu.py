@@ -115,9 +115,11 @@ class Module:
     """A loaded vmfb: ``main`` called with numpy arrays. Calls are serialised (one IREE context
     per module; its task system already uses every core)."""
 
-    def __init__(self, vmfb: bytes, driver: str = "local-task") -> None:
+    def __init__(self, vmfb: bytes, driver: str = "local-task",
+                 extra: tuple[np.ndarray, ...] = ()) -> None:
         import iree.runtime as rt
 
+        self._extra = extra        # trailing arguments of every call (a pooled module's pool)
         self._config = rt.Config(driver)
         try:
             vm = rt.VmModule.copy_buffer(self._config.vm_instance, vmfb)
@@ -134,6 +136,6 @@ class Module:
 
     def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
         with self._lock:
-            out = self._main(*[np.ascontiguousarray(x) for x in inputs])
+            out = self._main(*[np.ascontiguousarray(x) for x in inputs], *self._extra)
             outs = out if isinstance(out, list | tuple) else [out]
             return [np.asarray(o.to_host()).copy() for o in outs]

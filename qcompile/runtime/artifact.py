@@ -67,6 +67,7 @@ def save(model: CompiledModel, path: str | Path) -> Path:
         "outputs": [{"dtype": o.dtype, "shape": list(o.shape)} for o in last.outputs],
         "modules": {f"{k}.vmfb": {**({} if seq is None else {"seq": seq}), "batch": b,
                                   "bytes": len(m.vmfb),
+                                  **({"pooled": True} if m.pooled else {}),
                                   "sha256": hashlib.sha256(m.vmfb).hexdigest()}
                     for k, (seq, b, m) in entries.items()},
         "flags": {_flag_key(seq, b): list(m.flags) for seq, b, m in entries.values()},
@@ -105,7 +106,8 @@ def load(path: str | Path) -> CompiledModel:
             outputs = [OutputSpec(o["dtype"], _at_length(o, seq)) for o in meta["outputs"]]
             modules = {int(m["batch"]): BatchModule(
                 int(m["batch"]), blobs[name], tuple(meta["flags"][_flag_key(seq, m["batch"])]),
-                None) for name, m in meta["modules"].items() if m.get("seq") == seq}
+                None, pooled=bool(m.get("pooled", False)))
+                for name, m in meta["modules"].items() if m.get("seq") == seq}
             runners[seq] = CpuRunner(modules, outputs)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise _bad(path, f"meta.json is malformed ({type(err).__name__}: {err})") from None
@@ -113,7 +115,7 @@ def load(path: str | Path) -> CompiledModel:
         raise _bad(path, "meta.json lists no modules")
     for seq, r in runners.items():
         for m in r.modules.values():
-            _check_declaration(path, seq, m.batch, m.vmfb, meta)
+            _check_declaration(path, seq, m.batch, m.vmfb, meta, m.pooled)
     for r in runners.values():
         for m in r.modules.values():
             m.module()   # load now: a module IREE rejects fails here, not at the first call
@@ -306,10 +308,13 @@ _TENSOR = re.compile(r"tensor<([0-9x]*?)x?([a-z]+[0-9]*)>")
 
 
 def _check_declaration(path: Path, seq: int | None, batch: int, vmfb: bytes,
-                       meta: dict[str, Any]) -> None:
+                       meta: dict[str, Any], pooled: bool = False) -> None:
     """The signature IREE reads from the module's ``main`` (parsed, nothing run) against
-    meta.json: a module swapped for another model's, or a meta.json edited, stops here."""
+    meta.json: a module swapped for another model's, or a meta.json edited, stops here. A
+    pooled module takes the pool operand last."""
     import iree.runtime as rt
+
+    from qcompile.codegen.ukernel import CTX_SIZE
 
     name = f"{_key(seq, batch)}.vmfb"
     try:
@@ -321,6 +326,7 @@ def _check_declaration(path: Path, seq: int | None, batch: int, vmfb: bytes,
     args, _, results = declared.partition("->")
     want_in = [(f"{batch}x" + "x".join(map(str, _in_shape(i, seq)))).rstrip("x") + " " +
                _MLIR_TYPES[i["dtype"]] for i in meta["inputs"]]
+    want_in += [f"{CTX_SIZE} i64"] if pooled else []
     got_in = [f"{dims} {t}" for dims, t in _TENSOR.findall(args)]
     want_out = [(f"{batch}x" + "x".join(map(str, _at_length(o, seq)))).rstrip("x")
                 for o in meta["outputs"]]

@@ -34,6 +34,7 @@ QUANT_SYMBOL = "qk_quantize_nchw"
 MULTI_SYMBOL = "qk_linear_multi"
 ATTN_SYMBOL = "qk_attention_u8"
 DW_SYMBOL = "qk_dwconv_u8s8"
+CTX_SIZE = 4         # i64 operand of a pooled dispatch: qk_pool_run, the pool, 0, 0
 M_ENTRY = 4          # directory entry of a multi-linear call: first block, params, weights, out
 BASE_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
                "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-strict-aliasing",
@@ -390,7 +391,7 @@ def host_target(flags: tuple[str, ...]) -> str:
 
 def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: int,
                     residual: bool, target: str, entry: str = "conv", matmul: bool = False,
-                    floating: bool = False) -> str:
+                    floating: bool = False, pooled: bool = False) -> str:
     """A ``hal.executable`` @name, variant @x86, export @entry: bindings (x, w, params[, res],
     y), or for a batched ``matmul`` (x, w, params, terms, y) with the i32 zero-point terms
     (per pixel, then per channel, of every image); ``floating``: a dequantize, y and res f32.
@@ -404,25 +405,26 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
     order = [0, 1, 2, 3 if residual or matmul else 0, len(ins)]
     symbol = MATMUL_SYMBOL if matmul else DW_SYMBOL if s.depthwise else SYMBOL
     return _executable(name, obj, ins, (et, s.out_size), order, symbol,
-                       (s.blocks, s.chunks, s.n), target, entry)
+                       (s.blocks, s.chunks, s.n), target, entry, pooled)
 
 
 def quantize_executable_mlir(name: str, obj: Path, q: QuantizeShape, nparams: int, target: str,
-                             entry: str) -> str:
+                             entry: str, pooled: bool = False) -> str:
     """The ``hal.executable`` of :data:`QUANT_SYMBOL`: bindings (x f32, params, y), workgroups
     (row chunks, 1, N)."""
     ins = [("f32", q.n * q.c * q.h * q.w), ("i64", nparams)]
     return _executable(name, obj, ins, ("i8", q.out_size), [0, 1, 2], QUANT_SYMBOL,
-                       (q.chunks, 1, q.n), target, entry)
+                       (q.chunks, 1, q.n), target, entry, pooled)
 
 
 def multi_executable_mlir(name: str, obj: Path, s: ConvShape, nweights: int, nparams: int,
-                          out_size: int, blocks: int, target: str, entry: str) -> str:
+                          out_size: int, blocks: int, target: str, entry: str,
+                          pooled: bool = False) -> str:
     """The ``hal.executable`` of :data:`MULTI_SYMBOL` (linears sharing the input ``s``):
     bindings (x, w, params, y), workgroups (the linears' blocks, chunks, N)."""
     ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
     return _executable(name, obj, ins, ("i8", out_size), [0, 1, 2, 3], MULTI_SYMBOL,
-                       (blocks, s.chunks, s.n), target, entry)
+                       (blocks, s.chunks, s.n), target, entry, pooled)
 
 
 # fused attention (qk_attention_u8): header slots, and the limits of its stack buffers
@@ -514,19 +516,28 @@ def host_has_vbmi() -> bool:
 
 
 def attention_executable_mlir(name: str, obj: Path, a: AttentionShape, nmask: int,
-                              nparams: int, target: str, entry: str) -> str:
+                              nparams: int, target: str, entry: str,
+                              pooled: bool = False) -> str:
     """The ``hal.executable`` of :data:`ATTN_SYMBOL`: bindings (q, k, v, mask i64, params, y),
     workgroups (heads, row chunks, N)."""
     ins = [("i8", a.size), ("i8", a.size), ("i8", a.size), ("i64", nmask), ("i64", nparams)]
     return _executable(name, obj, ins, ("i8", a.size), [0, 1, 2, 3, 4, 5], ATTN_SYMBOL,
-                       (a.heads, a.chunks, a.n), target, entry)
+                       (a.heads, a.chunks, a.n), target, entry, pooled)
 
 
 def _executable(name: str, obj: Path, ins: list[tuple[str, int]], out: tuple[str, int],
                 order: list[int], symbol: str, grid: tuple[int, int, int], target: str,
-                entry: str) -> str:
+                entry: str, pooled: bool = False) -> str:
     """A ``hal.executable`` whose one export calls ``symbol`` (bare pointers: each binding in
-    ``order`` as pointer and element offset, then the workgroup ids) over ``grid``."""
+    ``order`` as pointer and element offset, then the workgroup ids) over ``grid``.
+
+    ``pooled``: one workgroup that calls ``symbol``'s ``_par`` entry, which shares ``grid`` out
+    over qcompile's thread pool; an extra last input binding holds the pool (:data:`CTX_SIZE`
+    i64, see :mod:`qcompile.codegen.ukernel.pool`) and the grid is passed in place of the ids."""
+    if pooled:
+        order = [len(ins) + 1 if i == len(ins) else i for i in order] + [len(ins)]
+        ins = [*ins, ("i64", CTX_SIZE)]
+        symbol += "_par"
     binds = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * len(ins)
                       + ["#hal.pipeline.binding<storage_buffer>"])
     layout = f"#hal.pipeline.layout<bindings = [{binds}]>"
@@ -541,7 +552,12 @@ def _executable(name: str, obj: Path, ins: list[tuple[str, int]], out: tuple[str
     for i in order:
         args += [f"%p{i}", f"%o{i}"]
         types += [f"memref<{allb[i][0]}>", "index"]
-    args += ["%wx", "%wy", "%wz"]
+    if pooled:
+        lines += [f"          %g{k} = arith.constant {g} : index" for k, g in enumerate(grid)]
+        args += ["%g0", "%g1", "%g2"]
+        grid = (1, 1, 1)
+    else:
+        args += ["%wx", "%wy", "%wz"]
     types += ["index"] * 3
     decl = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
     body = "\n".join(lines)

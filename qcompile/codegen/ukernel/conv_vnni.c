@@ -1187,3 +1187,82 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
     DW_KERNELS(2, 3, 0)
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pooled entries (a module whose batch runs inline, IREE local-sync): one workgroup of grid
+// (1, 1, 1) that shares the real grid (GX, GY, GZ) out over qcompile's thread pool (pool.c).
+// The extra operand `ctx` holds {qk_pool_run, pool}; {0, 0} runs the grid on this thread.
+typedef void (*qk_body)(void*, int64_t);
+typedef void (*qk_run)(void*, int64_t, qk_body, void*);
+typedef struct { const void* p[6]; int64_t o[6]; int64_t gx, gy; } par_args;
+
+static void par_launch(const int64_t* ctx, int64_t n, qk_body body, par_args* a) {
+  const qk_run run = (qk_run)(intptr_t)ctx[0];
+  if (run) {
+    run((void*)(intptr_t)ctx[1], n, body, a);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(a, i);
+  }
+}
+
+// the grid's y (chunks of pixels or rows) varies fastest: two threads then work on different
+// pixels, never on two channel blocks of the same pixels, whose outputs share cache lines
+#define PAR_IDS(a, i) (i) / (a)->gy % (a)->gx, (i) % (a)->gy, (i) / ((a)->gx * (a)->gy)
+#define PAR_ARG(a, k, T) (T)(a)->p[k], (a)->o[k]
+#define PAR_SET(a, k, P, O) ((a).p[k] = (const void*)(P), (a).o[k] = (O))
+#define PAR_ENTRY(NAME, ITEM_CALL, PARAMS, SETS)                                             \
+  static void NAME##_item(void* v, int64_t i) {                                              \
+    const par_args* a = (const par_args*)v;                                                  \
+    ITEM_CALL;                                                                               \
+  }                                                                                          \
+  void NAME##_par(PARAMS, const int64_t* cb, int64_t co, int64_t gx, int64_t gy, int64_t gz) { \
+    par_args a;                                                                              \
+    SETS;                                                                                    \
+    a.gx = gx; a.gy = gy;                                                                    \
+    par_launch(cb + co, gx * gy * gz, NAME##_item, &a);                                      \
+  }
+
+#define COMMA ,
+#define P5(T0, T1, T2, T3, T4)                                                               \
+  T0 p0, int64_t o0 COMMA T1 p1, int64_t o1 COMMA T2 p2, int64_t o2 COMMA T3 p3,             \
+      int64_t o3 COMMA T4 p4, int64_t o4
+#define S5 PAR_SET(a, 0, p0, o0); PAR_SET(a, 1, p1, o1); PAR_SET(a, 2, p2, o2);               \
+           PAR_SET(a, 3, p3, o3); PAR_SET(a, 4, p4, o4)
+
+PAR_ENTRY(qk_conv2d_u8s8,
+          qk_conv2d_u8s8(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
+                         PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, const uint8_t*),
+                         PAR_ARG(a, 4, uint8_t*), PAR_IDS(a, i)),
+          P5(const uint8_t*, const int8_t*, const int64_t*, const uint8_t*, uint8_t*), S5)
+PAR_ENTRY(qk_matmul_u8s8,
+          qk_matmul_u8s8(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
+                         PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, const int32_t*),
+                         PAR_ARG(a, 4, uint8_t*), PAR_IDS(a, i)),
+          P5(const uint8_t*, const int8_t*, const int64_t*, const int32_t*, uint8_t*), S5)
+PAR_ENTRY(qk_dwconv_u8s8,
+          qk_dwconv_u8s8(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
+                         PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, const uint8_t*),
+                         PAR_ARG(a, 4, uint8_t*), PAR_IDS(a, i)),
+          P5(const uint8_t*, const int8_t*, const int64_t*, const uint8_t*, uint8_t*), S5)
+PAR_ENTRY(qk_quantize_nchw,
+          qk_quantize_nchw(PAR_ARG(a, 0, const float*), PAR_ARG(a, 1, const int64_t*),
+                           PAR_ARG(a, 2, uint8_t*), PAR_IDS(a, i)),
+          const float* p0 COMMA int64_t o0 COMMA const int64_t* p1 COMMA int64_t o1 COMMA
+              uint8_t* p2 COMMA int64_t o2,
+          PAR_SET(a, 0, p0, o0); PAR_SET(a, 1, p1, o1); PAR_SET(a, 2, p2, o2))
+PAR_ENTRY(qk_linear_multi,
+          qk_linear_multi(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
+                          PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, uint8_t*),
+                          PAR_IDS(a, i)),
+          const uint8_t* p0 COMMA int64_t o0 COMMA const int8_t* p1 COMMA int64_t o1 COMMA
+              const int64_t* p2 COMMA int64_t o2 COMMA uint8_t* p3 COMMA int64_t o3,
+          PAR_SET(a, 0, p0, o0); PAR_SET(a, 1, p1, o1); PAR_SET(a, 2, p2, o2);
+          PAR_SET(a, 3, p3, o3))
+PAR_ENTRY(qk_attention_u8,
+          qk_attention_u8(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const uint8_t*),
+                          PAR_ARG(a, 2, const uint8_t*), PAR_ARG(a, 3, const int64_t*),
+                          PAR_ARG(a, 4, const int64_t*), PAR_ARG(a, 5, uint8_t*),
+                          PAR_IDS(a, i)),
+          P5(const uint8_t*, const uint8_t*, const uint8_t*, const int64_t*, const int64_t*)
+              COMMA uint8_t* p5 COMMA int64_t o5,
+          S5; PAR_SET(a, 5, p5, o5))

@@ -1,0 +1,135 @@
+// qcompile's intra-op thread pool for the microkernel dispatches of a batch that runs inline
+// (IREE local-sync): the calling thread and H helper threads share one dispatch's workgroups.
+//
+// A pooled module's kernels get {qk_pool_run, pool} through a small i64 operand and call
+// qk_pool_run(pool, n, body, arg); body(arg, i) computes workgroup i. Helpers spin for
+// SPIN_NS after each dispatch (the next one usually follows within microseconds: no sleep and
+// wake-up per dispatch, which is what IREE's task system pays), then sleep on a futex.
+//
+// Claiming is one compare-and-swap on a 64-bit ticket (generation, item count, next item), so
+// a helper still leaving dispatch g can never claim an item of dispatch g + 1 by mistake: the
+// generation in the ticket must match the one it read the count from. The caller returns when
+// every claimed item of its dispatch is done.
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_HELPERS 63
+#define SPIN_NS 2000000           // a helper spins this long after its last item, then sleeps
+
+typedef void (*qk_body)(void*, int64_t);
+
+typedef struct {
+  _Alignas(64) _Atomic uint64_t ticket;   // generation << 48 | count << 24 | next item
+  _Alignas(64) _Atomic int64_t done;      // items of this generation finished
+  qk_body fn;
+  void* arg;
+  _Alignas(64) _Atomic uint32_t wake;     // futex word: bumped at each dispatch
+  _Atomic int sleepers;
+  _Atomic int stop;
+  _Atomic int busy;                       // a caller is in qk_pool_run
+  uint64_t gen;                           // the caller's last generation
+  int helpers;
+  pthread_t th[MAX_HELPERS];
+} qk_pool;
+
+#define GEN(t) ((t) >> 48)
+#define COUNT(t) (((t) >> 24) & 0xFFFFFF)
+#define NEXT(t) ((t) & 0xFFFFFF)
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+// claim and run items of generation `gen` until none is left; false when the ticket has moved
+// on to another generation
+static void work(qk_pool* p, uint64_t gen) {
+  uint64_t t = atomic_load_explicit(&p->ticket, memory_order_acquire);
+  for (;;) {
+    if (GEN(t) != gen || NEXT(t) >= COUNT(t)) return;
+    if (atomic_compare_exchange_weak_explicit(&p->ticket, &t, t + 1, memory_order_acq_rel,
+                                              memory_order_acquire)) {
+      p->fn(p->arg, (int64_t)NEXT(t));
+      atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+      t = atomic_load_explicit(&p->ticket, memory_order_acquire);
+    }
+  }
+}
+
+static void* helper(void* arg) {
+  qk_pool* p = (qk_pool*)arg;
+  uint64_t seen = GEN(atomic_load(&p->ticket));
+  for (;;) {
+    int64_t t0 = now_ns();
+    uint64_t t;
+    for (int spins = 0;; ++spins) {
+      if (atomic_load_explicit(&p->stop, memory_order_relaxed)) return 0;
+      t = atomic_load_explicit(&p->ticket, memory_order_acquire);
+      if (GEN(t) != seen) break;
+      __builtin_ia32_pause();
+      if ((spins & 255) == 255 && now_ns() - t0 > SPIN_NS) {
+        const uint32_t w = atomic_load(&p->wake);
+        atomic_fetch_add(&p->sleepers, 1);
+        if (GEN(atomic_load(&p->ticket)) == seen && !atomic_load(&p->stop))
+          syscall(SYS_futex, &p->wake, FUTEX_WAIT_PRIVATE, w, 0, 0, 0);
+        atomic_fetch_sub(&p->sleepers, 1);
+        t0 = now_ns();
+      }
+    }
+    seen = GEN(t);
+    work(p, seen);
+  }
+}
+
+// A pool of `helpers` threads besides the caller (0: every call runs inline); NULL on failure.
+qk_pool* qk_pool_new(int helpers) {
+  if (helpers < 0) helpers = 0;
+  if (helpers > MAX_HELPERS) helpers = MAX_HELPERS;
+  qk_pool* p = (qk_pool*)calloc(1, sizeof(qk_pool));
+  if (!p) return 0;
+  for (int i = 0; i < helpers; ++i) {
+    if (pthread_create(&p->th[i], 0, helper, p) != 0) break;
+    p->helpers = i + 1;
+  }
+  return p;
+}
+
+void qk_pool_free(qk_pool* p) {
+  if (!p) return;
+  atomic_store(&p->stop, 1);
+  atomic_fetch_add(&p->wake, 1);
+  syscall(SYS_futex, &p->wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
+  for (int i = 0; i < p->helpers; ++i) pthread_join(p->th[i], 0);
+  free(p);
+}
+
+int qk_pool_helpers(const qk_pool* p) { return p ? p->helpers : 0; }
+
+// body(arg, i) for i in [0, n), on the caller and the helpers; returns when all are done.
+// A second caller while the pool is busy (another thread's dispatch) runs its items itself.
+void qk_pool_run(qk_pool* p, int64_t n, qk_body fn, void* arg) {
+  if (!p || p->helpers == 0 || n <= 1 || n > 0xFFFFFF || atomic_exchange(&p->busy, 1)) {
+    for (int64_t i = 0; i < n; ++i) fn(arg, i);
+    return;
+  }
+  p->fn = fn;
+  p->arg = arg;
+  atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+  const uint64_t gen = (p->gen + 1) & 0xFFFF;
+  p->gen = gen;
+  atomic_store(&p->ticket, gen << 48 | (uint64_t)n << 24);
+  atomic_fetch_add(&p->wake, 1);
+  if (atomic_load(&p->sleepers) > 0)
+    syscall(SYS_futex, &p->wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
+  work(p, gen);
+  while (atomic_load_explicit(&p->done, memory_order_acquire) < n) __builtin_ia32_pause();
+  atomic_store_explicit(&p->busy, 0, memory_order_release);
+}

@@ -1,0 +1,180 @@
+"""qcompile's intra-op thread pool (``ukernel/pool.c``): every item of every dispatch runs
+exactly once under the claim protocol; a model whose contractions are all microkernel dispatches
+compiles to pooled modules that run inline on the pool, bit-exact with the reference at batch 1
+and 4 (and as data-parallel shards); ``QCOMPILE_POOL=0`` keeps IREE's task system; a pooled
+module survives an artifact round trip, and one whose pool flag was stripped is refused; the
+per-dispatch profile runs a pooled module."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import threading
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from test_cpu_target import _assert_bit_exact
+from torch import nn
+
+import qcompile
+from qcompile.bench import profile
+from qcompile.codegen import cpu, ukernel
+from qcompile.codegen.target import CompileOptions, compile_cpu
+from qcompile.codegen.ukernel import pool
+from qcompile.errors import ArtifactError, CompileError
+from qcompile.frontend.quantize import QuantizeConfig, quantize
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+needs_vnni = pytest.mark.skipif(shutil.which("gcc") is None or not ukernel.host_has_vnni(),
+                                reason="needs gcc and an AVX-512 VNNI host")
+
+BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
+@needs_gcc
+def test_pool__every_item_of_every_dispatch_once():
+    lib = pool._library()
+    lib.qk_pool_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, BODY, ctypes.c_void_p]
+    p = lib.qk_pool_new(3)
+    assert lib.qk_pool_helpers(p) == 3
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def body(_arg, i):  # type: ignore[no-untyped-def]
+        with lock:
+            seen.append(int(i))
+
+    cb = BODY(body)
+    try:
+        for n in [0, 1, 2, 3, 7, 64, 1, 100, 5] * 4:
+            seen.clear()
+            lib.qk_pool_run(p, n, cb, None)
+            assert sorted(seen) == list(range(n))
+    finally:
+        lib.qk_pool_free(ctypes.c_void_p(p))
+
+
+@needs_gcc
+def test_pool__operand_is_zero_for_one_thread():
+    assert not pool.ctx(1).any()
+    two = pool.ctx(2)
+    assert two.shape == (ukernel.CTX_SIZE,) and two[0] and two[1]
+    np.testing.assert_array_equal(pool.ctx(2), two)          # one pool per thread count
+
+
+class Net(nn.Module):
+    """A stem, an expand → depthwise → project block with its residual, a 3×3 conv at
+    stride 2 and a linear: every contraction a microkernel takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU6())
+        self.block = nn.Sequential(nn.Conv2d(16, 64, 1), nn.ReLU6(),
+                                   nn.Conv2d(64, 64, 3, 1, 1, groups=64), nn.ReLU6(),
+                                   nn.Conv2d(64, 16, 1))
+        self.down = nn.Sequential(nn.Conv2d(16, 72, 3, 2, 1), nn.ReLU())
+        self.fc = nn.Linear(72, 10)
+
+    def forward(self, x):
+        y = self.stem(x)
+        y = y + self.block(y)
+        y = self.down(y)
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1))
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    torch.manual_seed(0)
+    model = Net().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.rand(8, 3, 30, 26, generator=g),) for _ in range(3)]
+    q = quantize(model, batches[0], batches, QuantizeConfig(quantizer="qcompile"))
+    return q, batches[1][0]
+
+
+@pytest.fixture(scope="module")
+def pooled(quantized):
+    q, _ = quantized
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QCOMPILE_THREADS", "2")
+        return compile_cpu(q, CompileOptions(batch_sizes=(1, 4, 8), analyze=False))
+
+
+@needs_vnni
+def test_pooled_module__bit_exact_with_reference(pooled, quantized, monkeypatch):
+    _, x = quantized
+    monkeypatch.setenv("QCOMPILE_THREADS", "2")
+    rep = pooled.report["compile"]["ukernel"]
+    assert rep["stock"] == {}
+    assert pooled.report["compile"]["pooled_batches"] == [1, 4, 8]
+    assert all(m.pooled for m in pooled.runner.modules.values())
+    assert pooled.runner.modules[1].module()._extra[0][0] != 0     # the pool is in use
+    _assert_bit_exact(pooled, x)
+    want = [pooled.runner.modules[1].module()(x[i:i + 1].numpy())[0] for i in range(8)]
+    np.testing.assert_array_equal(pooled(x).numpy(), np.concatenate(want))   # 2 shards of 4
+
+
+@needs_vnni
+def test_pool_off__task_system_module_with_the_same_result(pooled, quantized, monkeypatch):
+    q, x = quantized
+    monkeypatch.setenv("QCOMPILE_POOL", "0")
+    plain = compile_cpu(q, CompileOptions(batch_sizes=(1,), analyze=False))
+    assert not plain.runner.modules[1].pooled
+    assert "qk_pool" not in plain.runner.modules[1].mlir
+    np.testing.assert_array_equal(plain(x[:1]).numpy(), pooled(x[:1]).numpy())
+
+
+@needs_vnni
+def test_pooled_artifact__round_trip_and_stripped_flag_refused(pooled, quantized, tmp_path):
+    _, x = quantized
+    path = pooled.save(tmp_path / "net.qca")
+    loaded = qcompile.load(path)
+    assert loaded.runner.modules[1].pooled
+    assert torch.equal(loaded(x[:3]), pooled(x[:3]))
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    meta = json.loads(members["meta.json"])
+    for m in meta["modules"].values():
+        m.pop("pooled")
+    members["meta.json"] = json.dumps(meta).encode()
+    bad = tmp_path / "bad.qca"
+    with zipfile.ZipFile(bad, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    with pytest.raises(ArtifactError, match="takes .*4 i64"):
+        qcompile.load(bad)
+
+
+@needs_vnni
+def test_pooled_module__dispatch_profile(pooled, quantized):
+    _, x = quantized
+    prof = profile.dispatch_profile(pooled.runner.modules[1], [x[:1].numpy()], repetitions=2)
+    assert prof["dispatches"] >= 5
+    assert any(r["dispatch"].startswith("qk_conv") for r in prof["top"])
+
+
+@needs_vnni
+def test_pool_unavailable__warns_and_runs_on_one_thread(pooled, quantized, monkeypatch):
+    _, x = quantized
+
+    def no_pool(threads):  # type: ignore[no-untyped-def]
+        if threads > 1:
+            raise CompileError("cpu: qcompile's thread pool needs gcc", why="gcc not found")
+        return np.zeros(ukernel.CTX_SIZE, np.int64)
+
+    monkeypatch.setattr(pool, "ctx", no_pool)
+    m = cpu.BatchModule(1, pooled.runner.modules[1].vmfb, (), None, pooled=True)
+    with pytest.warns(RuntimeWarning, match="thread pool needs gcc.*run on one thread"):
+        mod = m.module()
+    assert not mod._extra[0].any()
+    np.testing.assert_array_equal(mod(x[:1].numpy())[0], pooled(x[:1]).numpy())
+
+
+def test_pool_wanted__env(monkeypatch):
+    monkeypatch.delenv("QCOMPILE_POOL", raising=False)
+    assert cpu.pool_wanted()
+    monkeypatch.setenv("QCOMPILE_POOL", "0")
+    assert not cpu.pool_wanted()
