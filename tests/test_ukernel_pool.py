@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import threading
 import zipfile
@@ -39,7 +40,8 @@ def test_pool__every_item_of_every_dispatch_once():
     lib = pool._library()
     lib.qk_pool_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, BODY, ctypes.c_void_p]
     p = lib.qk_pool_new(3)
-    assert lib.qk_pool_helpers(p) == 3
+    # one helper per CPU this process may use, besides the caller's
+    assert lib.qk_pool_helpers(p) == min(3, len(os.sched_getaffinity(0)) - 1)
     seen: list[int] = []
     lock = threading.Lock()
 
@@ -60,6 +62,9 @@ def test_pool__every_item_of_every_dispatch_once():
 @needs_gcc
 def test_pool__operand_is_zero_for_one_thread():
     assert not pool.ctx(1).any()
+    if len(os.sched_getaffinity(0)) < 2:
+        assert not pool.ctx(2).any()                         # one CPU: no helper to pin
+        return
     two = pool.ctx(2)
     assert two.shape == (ukernel.CTX_SIZE,) and two[0] and two[1]
     np.testing.assert_array_equal(pool.ctx(2), two)          # one pool per thread count
@@ -111,7 +116,8 @@ def test_pooled_module__bit_exact_with_reference(pooled, quantized, monkeypatch)
     assert rep["stock"] == {}
     assert pooled.report["compile"]["pooled_batches"] == [1, 4, 8]
     assert all(m.pooled for m in pooled.runner.modules.values())
-    assert pooled.runner.modules[1].module()._extra[0][0] != 0     # the pool is in use
+    if len(os.sched_getaffinity(0)) > 1:                           # the pool is in use
+        assert pooled.runner.modules[1].module()._extra[0][0] != 0
     _assert_bit_exact(pooled, x)
     want = [pooled.runner.modules[1].module()(x[i:i + 1].numpy())[0] for i in range(8)]
     np.testing.assert_array_equal(pooled(x).numpy(), np.concatenate(want))   # 2 shards of 4
@@ -166,6 +172,7 @@ def test_pool_unavailable__warns_and_runs_on_one_thread(pooled, quantized, monke
         return np.zeros(ukernel.CTX_SIZE, np.int64)
 
     monkeypatch.setattr(pool, "ctx", no_pool)
+    monkeypatch.setenv("QCOMPILE_THREADS", "2")
     m = cpu.BatchModule(1, pooled.runner.modules[1].vmfb, (), None, pooled=True)
     with pytest.warns(RuntimeWarning, match="thread pool needs gcc.*run on one thread"):
         mod = m.module()

@@ -1194,7 +1194,14 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
 // The extra operand `ctx` holds {qk_pool_run, pool}; {0, 0} runs the grid on this thread.
 typedef void (*qk_body)(void*, int64_t);
 typedef void (*qk_run)(void*, int64_t, qk_body, void*);
-typedef struct { const void* p[6]; int64_t o[6]; int64_t gx, gy; } par_args;
+// read by every workgroup on every thread: on cache lines of its own, apart from the caller's
+// stack slots (which lines those are depends on where the stack lands)
+typedef struct {
+  _Alignas(64) const void* p[6];
+  int64_t o[6];
+  int64_t gx, gy;
+  char pad[16];
+} par_args;
 
 static void par_launch(const int64_t* ctx, int64_t n, qk_body body, par_args* a) {
   const qk_run run = (qk_run)(intptr_t)ctx[0];

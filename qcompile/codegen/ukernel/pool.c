@@ -13,6 +13,7 @@
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,7 +29,7 @@ typedef void (*qk_body)(void*, int64_t);
 typedef struct {
   _Alignas(64) _Atomic uint64_t ticket;   // generation << 48 | count << 24 | next item
   _Alignas(64) _Atomic int64_t done;      // items of this generation finished
-  qk_body fn;
+  _Alignas(64) qk_body fn;                // read by every claim: a line of its own
   void* arg;
   _Alignas(64) _Atomic uint32_t wake;     // futex word: bumped at each dispatch
   _Atomic int sleepers;
@@ -36,6 +37,8 @@ typedef struct {
   _Atomic int busy;                       // a caller is in qk_pool_run
   uint64_t gen;                           // the caller's last generation
   int helpers;
+  cpu_set_t callers;                      // the CPUs a caller runs on (no helper's)
+  cpu_set_t mine;                         // the helpers' CPUs
   pthread_t th[MAX_HELPERS];
 } qk_pool;
 
@@ -75,6 +78,7 @@ static void* helper(void* arg) {
       t = atomic_load_explicit(&p->ticket, memory_order_acquire);
       if (GEN(t) != seen) break;
       __builtin_ia32_pause();
+      if ((spins & 63) == 63) sched_yield();     // a thread sharing this CPU runs first
       if ((spins & 255) == 255 && now_ns() - t0 > SPIN_NS) {
         const uint32_t w = atomic_load(&p->wake);
         atomic_fetch_add(&p->sleepers, 1);
@@ -90,13 +94,35 @@ static void* helper(void* arg) {
 }
 
 // A pool of `helpers` threads besides the caller (0: every call runs inline); NULL on failure.
+// Helper i is pinned to the (i + 1)-th CPU this process may use, and a caller found on a
+// helper's CPU moves to the others for the dispatch. Left to the scheduler, a helper woken by
+// the caller lands on the caller's CPU (wake-affine), and two spinning, cache-hot threads are
+// then not migrated apart: both share one CPU, slower than one thread alone.
 qk_pool* qk_pool_new(int helpers) {
+  cpu_set_t allowed;
+  int cpus[MAX_HELPERS + 1], ncpu = 0;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0)
+    for (int c = 0; c < CPU_SETSIZE && ncpu <= MAX_HELPERS; ++c)
+      if (CPU_ISSET(c, &allowed)) cpus[ncpu++] = c;
+  if (helpers > ncpu - 1) helpers = ncpu - 1;     // one CPU each, besides the caller's
   if (helpers < 0) helpers = 0;
-  if (helpers > MAX_HELPERS) helpers = MAX_HELPERS;
   qk_pool* p = (qk_pool*)calloc(1, sizeof(qk_pool));
   if (!p) return 0;
+  CPU_ZERO(&p->callers);
+  CPU_ZERO(&p->mine);
+  for (int i = 0; i < ncpu; ++i) CPU_SET(cpus[i], i <= helpers ? &p->callers : &p->mine);
   for (int i = 0; i < helpers; ++i) {
-    if (pthread_create(&p->th[i], 0, helper, p) != 0) break;
+    pthread_attr_t attr;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus[i + 1], &one);
+    CPU_CLR(cpus[i + 1], &p->callers);
+    CPU_SET(cpus[i + 1], &p->mine);
+    pthread_attr_init(&attr);
+    pthread_attr_setaffinity_np(&attr, sizeof one, &one);
+    const int err = pthread_create(&p->th[i], &attr, helper, p);
+    pthread_attr_destroy(&attr);
+    if (err != 0) break;
     p->helpers = i + 1;
   }
   return p;
@@ -120,6 +146,12 @@ void qk_pool_run(qk_pool* p, int64_t n, qk_body fn, void* arg) {
     for (int64_t i = 0; i < n; ++i) fn(arg, i);
     return;
   }
+  const int cpu = sched_getcpu();
+  int moved = 0;
+  cpu_set_t before;
+  if (cpu >= 0 && CPU_ISSET(cpu, &p->mine) && CPU_COUNT(&p->callers) > 0 &&
+      sched_getaffinity(0, sizeof before, &before) == 0)
+    moved = sched_setaffinity(0, sizeof p->callers, &p->callers) == 0;
   p->fn = fn;
   p->arg = arg;
   atomic_store_explicit(&p->done, 0, memory_order_relaxed);
@@ -130,6 +162,11 @@ void qk_pool_run(qk_pool* p, int64_t n, qk_body fn, void* arg) {
   if (atomic_load(&p->sleepers) > 0)
     syscall(SYS_futex, &p->wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
   work(p, gen);
-  while (atomic_load_explicit(&p->done, memory_order_acquire) < n) __builtin_ia32_pause();
+  // a helper still on its last item: yield now and then, in case it waits for this CPU
+  for (int spins = 1; atomic_load_explicit(&p->done, memory_order_acquire) < n; ++spins) {
+    __builtin_ia32_pause();
+    if ((spins & 63) == 0) sched_yield();
+  }
+  if (moved) sched_setaffinity(0, sizeof before, &before);   // stays put until it sleeps
   atomic_store_explicit(&p->busy, 0, memory_order_release);
 }

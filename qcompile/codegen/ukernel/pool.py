@@ -74,9 +74,11 @@ def _library() -> ctypes.CDLL:
 
 def ctx(threads: int) -> np.ndarray:
     """The pooled dispatches' operand for ``threads`` threads (the caller and ``threads - 1``
-    helpers, one pool per count for the process); zeros (one thread) for ``threads < 2``.
-    Raises :class:`CompileError` when the pool cannot be built."""
+    helpers, each helper pinned to a CPU of its own; one pool per count for the process); zeros
+    (one thread) for ``threads < 2`` or a process allowed one CPU. Raises
+    :class:`CompileError` when the pool cannot be built."""
     out = np.zeros(CTX_SIZE, np.int64)
+    threads = min(threads, len(os.sched_getaffinity(0)))
     if threads < 2:
         return out
     with _LOCK:
