@@ -1212,9 +1212,9 @@ static void par_launch(const int64_t* ctx, int64_t n, qk_body body, par_args* a)
   }
 }
 
-// the grid's y (chunks of pixels or rows) varies fastest: two threads then work on different
-// pixels, never on two channel blocks of the same pixels, whose outputs share cache lines
-#define PAR_IDS(a, i) (i) / (a)->gy % (a)->gx, (i) % (a)->gy, (i) / ((a)->gx * (a)->gy)
+// the grid in IREE's order (x, the channel blocks, fastest): the pool's caller takes the first
+// pixels and its helpers the last, so two threads work on far-apart pixels until they meet
+#define PAR_IDS(a, i) (i) % (a)->gx, (i) / (a)->gx % (a)->gy, (i) / ((a)->gx * (a)->gy)
 #define PAR_ARG(a, k, T) (T)(a)->p[k], (a)->o[k]
 #define PAR_SET(a, k, P, O) ((a).p[k] = (const void*)(P), (a).o[k] = (O))
 #define PAR_ENTRY(NAME, ITEM_CALL, PARAMS, SETS)                                             \

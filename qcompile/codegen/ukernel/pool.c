@@ -6,10 +6,12 @@
 // SPIN_NS after each dispatch (the next one usually follows within microseconds: no sleep and
 // wake-up per dispatch, which is what IREE's task system pays), then sleep on a futex.
 //
-// Claiming is one compare-and-swap on a 64-bit ticket (generation, item count, next item), so
-// a helper still leaving dispatch g can never claim an item of dispatch g + 1 by mistake: the
-// generation in the ticket must match the one it read the count from. The caller returns when
-// every claimed item of its dispatch is done.
+// Claiming is one compare-and-swap on a 64-bit ticket (generation, front, back): the caller
+// takes items from the front, the helpers from the back, until the two meet. The kernels order
+// their workgroups by pixels (channel blocks fastest), so each thread keeps to its own part of
+// the image from layer to layer and mostly reads what it wrote itself, from its own cache. A
+// helper still leaving dispatch g can never claim an item of dispatch g + 1 by mistake: the
+// generation in the ticket must match. The caller returns when every item is done.
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <pthread.h>
@@ -43,8 +45,8 @@ typedef struct {
 } qk_pool;
 
 #define GEN(t) ((t) >> 48)
-#define COUNT(t) (((t) >> 24) & 0xFFFFFF)
-#define NEXT(t) ((t) & 0xFFFFFF)
+#define FRONT(t) (((t) >> 24) & 0xFFFFFF)
+#define BACK(t) ((t) & 0xFFFFFF)            // one past the last unclaimed item
 
 static int64_t now_ns(void) {
   struct timespec ts;
@@ -52,15 +54,16 @@ static int64_t now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-// claim and run items of generation `gen` until none is left; false when the ticket has moved
-// on to another generation
-static void work(qk_pool* p, uint64_t gen) {
+// claim and run items of generation `gen` (from the front, or from the back) until none is
+// left or the ticket has moved on to another generation
+static void work(qk_pool* p, uint64_t gen, int back) {
   uint64_t t = atomic_load_explicit(&p->ticket, memory_order_acquire);
   for (;;) {
-    if (GEN(t) != gen || NEXT(t) >= COUNT(t)) return;
-    if (atomic_compare_exchange_weak_explicit(&p->ticket, &t, t + 1, memory_order_acq_rel,
+    if (GEN(t) != gen || FRONT(t) >= BACK(t)) return;
+    const uint64_t next = back ? t - 1 : t + ((uint64_t)1 << 24);
+    if (atomic_compare_exchange_weak_explicit(&p->ticket, &t, next, memory_order_acq_rel,
                                               memory_order_acquire)) {
-      p->fn(p->arg, (int64_t)NEXT(t));
+      p->fn(p->arg, (int64_t)(back ? BACK(t) - 1 : FRONT(t)));
       atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
       t = atomic_load_explicit(&p->ticket, memory_order_acquire);
     }
@@ -89,7 +92,7 @@ static void* helper(void* arg) {
       }
     }
     seen = GEN(t);
-    work(p, seen);
+    work(p, seen, 1);
   }
 }
 
@@ -157,11 +160,11 @@ void qk_pool_run(qk_pool* p, int64_t n, qk_body fn, void* arg) {
   atomic_store_explicit(&p->done, 0, memory_order_relaxed);
   const uint64_t gen = (p->gen + 1) & 0xFFFF;
   p->gen = gen;
-  atomic_store(&p->ticket, gen << 48 | (uint64_t)n << 24);
+  atomic_store(&p->ticket, gen << 48 | (uint64_t)n);
   atomic_fetch_add(&p->wake, 1);
   if (atomic_load(&p->sleepers) > 0)
     syscall(SYS_futex, &p->wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
-  work(p, gen);
+  work(p, gen, 0);
   // a helper still on its last item: yield now and then, in case it waits for this CPU
   for (int spins = 1; atomic_load_explicit(&p->done, memory_order_acquire) < n; ++spins) {
     __builtin_ia32_pause();
