@@ -24,7 +24,7 @@
 #include <unistd.h>
 
 #define MAX_HELPERS 63
-#define SPIN_NS 2000000           // a helper spins this long after its last item, then sleeps
+#define SPIN_NS 200000            // a helper spins this long after its last item, then sleeps
 
 typedef void (*qk_body)(void*, int64_t);
 
