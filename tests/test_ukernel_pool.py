@@ -180,6 +180,13 @@ def test_pool_unavailable__warns_and_runs_on_one_thread(pooled, quantized, monke
     np.testing.assert_array_equal(mod(x[:1].numpy())[0], pooled(x[:1]).numpy())
 
 
+def test_pool_library__without_gcc_is_a_compile_error(monkeypatch):
+    monkeypatch.setenv("QCOMPILE_CC", "no-such-compiler-qcompile")
+    with pytest.raises(CompileError, match="thread pool needs gcc") as err:
+        pool.build_library()
+    assert "one thread" in err.value.next
+
+
 def test_pool_wanted__env(monkeypatch):
     monkeypatch.delenv("QCOMPILE_POOL", raising=False)
     assert cpu.pool_wanted()

@@ -64,25 +64,31 @@ def cache_dir() -> Path:
 def build_object() -> Path:
     """The kernel's object file, compiled by gcc once per source/flags (CompileError without
     gcc)."""
+    return gcc_build(SOURCE, cflags(), "conv_vnni-{key}.o", "the VNNI conv microkernel",
+                     "the stock lowering is used otherwise")
+
+
+def gcc_build(source: Path, flags: tuple[str, ...], name: str, what: str, without: str) -> Path:
+    """``source`` compiled by gcc (``QCOMPILE_CC``) with ``flags`` into :func:`cache_dir` as
+    ``name`` (``{key}``: a hash of the source, compiler and flags), once; CompileError naming
+    ``what`` without gcc (``without``: what happens then) or when gcc fails."""
     gcc = shutil.which(os.environ.get("QCOMPILE_CC", "gcc"))
     if gcc is None:
-        raise CompileError("cpu: the VNNI conv microkernel needs gcc", why="gcc not found on PATH",
-                           next="install gcc or set QCOMPILE_CC (the stock lowering is used "
-                                "otherwise)")
-    src = SOURCE.read_bytes()
-    flags = cflags()
+        raise CompileError(f"cpu: {what} needs gcc", why="gcc not found on PATH",
+                           next=f"install gcc or set QCOMPILE_CC ({without})")
+    src = source.read_bytes()
     key = hashlib.sha256(src + " ".join((gcc, *flags)).encode()).hexdigest()[:16]
-    out = cache_dir() / f"conv_vnni-{key}.o"
+    out = cache_dir() / name.format(key=key)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qcompile-uk-") as tmp:
-        obj = Path(tmp) / "k.o"
-        proc = subprocess.run([gcc, *flags, str(SOURCE), "-o", str(obj)], capture_output=True,
+        obj = Path(tmp) / out.name
+        proc = subprocess.run([gcc, *flags, str(source), "-o", str(obj)], capture_output=True,
                               text=True, check=False)
         if proc.returncode != 0:
-            raise CompileError("cpu: gcc failed on the VNNI conv microkernel",
-                               why=proc.stderr[-2000:], next="check the gcc installation")
+            raise CompileError(f"cpu: gcc failed on {what}", why=proc.stderr[-2000:],
+                               next="check the gcc installation")
         os.replace(obj, out)
     return out
 

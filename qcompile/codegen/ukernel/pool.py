@@ -14,17 +14,13 @@ built from source by gcc, like the kernel object, and cached next to it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from qcompile.codegen.ukernel import CTX_SIZE, cache_dir
+from qcompile.codegen.ukernel import CTX_SIZE, gcc_build
 from qcompile.errors import CompileError
 
 SOURCE = Path(__file__).with_name("pool.c")
@@ -38,26 +34,8 @@ _POOLS: dict[int, int] = {}
 def build_library() -> Path:
     """The pool's shared library, compiled by gcc once per source/flags (CompileError without
     gcc or when gcc fails)."""
-    gcc = shutil.which(os.environ.get("QCOMPILE_CC", "gcc"))
-    if gcc is None:
-        raise CompileError("cpu: qcompile's thread pool needs gcc", why="gcc not found on PATH",
-                           next="install gcc or set QCOMPILE_CC (pooled modules then run "
-                                "their dispatches on one thread)")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((gcc, *CFLAGS)).encode()).hexdigest()[:16]
-    out = cache_dir() / f"pool-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="qcompile-pool-") as tmp:
-        lib = Path(tmp) / "pool.so"
-        proc = subprocess.run([gcc, *CFLAGS, str(SOURCE), "-o", str(lib)], capture_output=True,
-                              text=True, check=False)
-        if proc.returncode != 0:
-            raise CompileError("cpu: gcc failed on qcompile's thread pool",
-                               why=proc.stderr[-2000:], next="check the gcc installation")
-        os.replace(lib, out)
-    return out
+    return gcc_build(SOURCE, CFLAGS, "pool-{key}.so", "qcompile's thread pool",
+                     "pooled modules then run their dispatches on one thread")
 
 
 def _library() -> ctypes.CDLL:
