@@ -124,6 +124,28 @@ def test_pooled_module__bit_exact_with_reference(pooled, quantized, monkeypatch)
 
 
 @needs_vnni
+def test_pooled_module__calls_from_several_threads_at_once(pooled, quantized, monkeypatch):
+    _, x = quantized
+    monkeypatch.setenv("QCOMPILE_THREADS", "2")
+    want = {n: pooled(x[:n]).numpy() for n in (1, 4)}   # two pooled modules on one pool
+    errors: list[BaseException] = []
+
+    def caller(n: int) -> None:
+        try:
+            for _ in range(20):
+                np.testing.assert_array_equal(pooled(x[:n]).numpy(), want[n])
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in (1, 4, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+@needs_vnni
 def test_pool_off__task_system_module_with_the_same_result(pooled, quantized, monkeypatch):
     q, x = quantized
     monkeypatch.setenv("QCOMPILE_POOL", "0")
