@@ -29,7 +29,7 @@
 typedef void (*qk_body)(void*, int64_t);
 
 typedef struct {
-  _Alignas(64) _Atomic uint64_t ticket;   // generation << 48 | count << 24 | next item
+  _Alignas(64) _Atomic uint64_t ticket;   // generation << 48 | front << 24 | back
   _Alignas(64) _Atomic int64_t done;      // items of this generation finished
   _Alignas(64) qk_body fn;                // read by every claim: a line of its own
   void* arg;
