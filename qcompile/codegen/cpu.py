@@ -10,7 +10,9 @@ A batch of ``T · k`` samples (``T`` threads, ``k >= SHARD_MIN``) whose shard si
 compiled runs data-parallel: ``T`` shards at once, each on its own IREE ``local-sync`` context
 (inline in one thread, no task system). IREE's task system pays a worker wake-up at every
 dispatch boundary (tens of µs on a VM, often more when the host is busy); shards pay none. See
-:func:`shard_size`.
+:func:`shard_size`. Other batches whose every contraction is a microkernel dispatch run as
+*pooled* modules: inline too, each dispatch shared out over qcompile's own thread pool
+(:mod:`qcompile.codegen.ukernel.pool`).
 """
 
 from __future__ import annotations

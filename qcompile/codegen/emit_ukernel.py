@@ -587,9 +587,8 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str,
     text = _POOLED_CALL.sub(
         lambda m: (f"flow.dispatch @{m.group(1)}::@x86::@{m.group(1)}({m.group(2)}, "
                    f"%{POOL_ARG}) : ({m.group(3)}, {ctx_t})"), text)
-    if _CALL.search(text):
-        raise CompileError("cpu: a microkernel call has an unexpected form",
-                           why=_CALL.search(text).group(0),  # type: ignore[union-attr]
+    if (left := _CALL.search(text)) is not None:
+        raise CompileError("cpu: a microkernel call has an unexpected form", why=left.group(0),
                            next="compile with QCOMPILE_POOL=0 and report this model")
     head = re.search(r"func\.func @main\(", text)
     if head is None:

@@ -314,6 +314,16 @@ typedef struct {
   const int32_t* col;      // this image's channels (fp of them)
 } terms_args;
 
+// a matmul's per-channel terms of channels c.. (zeros for a conv), and an accumulator of
+// pixel m with its pixel and channel terms added
+INLINE __m512i terms_col(const terms_args* t, int64_t c) {
+  return t ? _mm512_loadu_si512((const void*)(t->col + c)) : _mm512_setzero_si512();
+}
+
+INLINE __m512i with_terms(__m512i v, const terms_args* t, int m, __m512i col) {
+  return t ? _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col) : v;
+}
+
 INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
                      const uint8_t* const* xs, int64_t c0, int64_t f, const uint8_t* r,
                      uint8_t* const* ys, int MR, int NR, const int lean) {
@@ -326,14 +336,11 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       for (int j = 0; j < 4; ++j) {
         const int64_t c = c0 + 16 * j;
         const rq_regs q = rq_at(e, c);
-        const __m512i col = t ? _mm512_loadu_si512((const void*)(t->col + c))
-                              : _mm512_setzero_si512();
+        const __m512i col = terms_col(t, c);
 #pragma GCC unroll 6
-        for (int m = 0; m < MR; ++m) {
-          __m512i v = acc[m][j];
-          if (t) v = _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col);
-          acc[m][j] = rq16_lean(v, &q, r ? r + m * f + 16 * j : 0, 0xFFFF, lean);
-        }
+        for (int m = 0; m < MR; ++m)
+          acc[m][j] = rq16_lean(with_terms(acc[m][j], t, m, col), &q,
+                                r ? r + m * f + 16 * j : 0, 0xFFFF, lean);
       }
       const pack_regs k = pack_at(e);
 #pragma GCC unroll 6
@@ -347,14 +354,11 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
                              : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
       const rq_regs q = rq_at(e, c);
-      const __m512i col = t ? _mm512_loadu_si512((const void*)(t->col + c))
-                            : _mm512_setzero_si512();
+      const __m512i col = terms_col(t, c);
 #pragma GCC unroll 6
-      for (int m = 0; m < MR; ++m) {
-        __m512i v = acc[m][j];
-        if (t) v = _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col);
-        store16_lean(v, &q, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask, lean);
-      }
+      for (int m = 0; m < MR; ++m)
+        store16_lean(with_terms(acc[m][j], t, m, col), &q, r ? r + m * f + 16 * j : 0,
+                     ys[m] + 16 * j, mask, lean);
     }
     return;
   }
@@ -367,11 +371,7 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       // a matmul's blocks are 64 channels wide (packed at run time), so left can be <= 0
       __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
                        : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-      __m512i v = acc[m][j];
-      if (t) {
-        v = _mm512_add_epi32(v, _mm512_set1_epi32(t->row[m]));
-        v = _mm512_add_epi32(v, _mm512_loadu_si512((const void*)(t->col + c)));
-      }
+      const __m512i v = with_terms(acc[m][j], t, m, terms_col(t, c));
       if (e->fout)
         store16_float(v, e, c, r ? r + 4 * (m * f + 16 * j) : 0, ys[m] + 4 * 16 * j, mask);
       else if (e->narrow)
