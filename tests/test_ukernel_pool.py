@@ -209,6 +209,17 @@ def test_pool_library__without_gcc_is_a_compile_error(monkeypatch):
     assert "one thread" in err.value.next
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no pool to load")
+def test_pool_library__that_does_not_load_is_a_compile_error(monkeypatch, tmp_path):
+    bad = tmp_path / "pool-broken.so"
+    bad.write_bytes(b"not an ELF file")
+    monkeypatch.setattr(pool, "build_library", lambda: bad)
+    monkeypatch.setattr(pool, "_LIB", None)
+    with pytest.raises(CompileError, match="does not load") as err:
+        pool.ctx(2)
+    assert err.value.at == str(bad) and "rebuild" in err.value.next
+
+
 def test_pool_wanted__env(monkeypatch):
     monkeypatch.delenv("QCOMPILE_POOL", raising=False)
     assert cpu.pool_wanted()

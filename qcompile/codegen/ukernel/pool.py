@@ -41,7 +41,14 @@ def build_library() -> Path:
 def _library() -> ctypes.CDLL:
     global _LIB
     if _LIB is None:
-        lib = ctypes.CDLL(str(build_library()))
+        path = build_library()
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as err:
+            raise CompileError("cpu: qcompile's thread pool library does not load",
+                               at=str(path), why=str(err),
+                               next="delete it to rebuild it (pooled modules run on one "
+                                    "thread meanwhile)") from err
         lib.qk_pool_new.restype = ctypes.c_void_p
         lib.qk_pool_new.argtypes = [ctypes.c_int]
         lib.qk_pool_helpers.restype = ctypes.c_int
