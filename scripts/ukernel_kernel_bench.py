@@ -49,6 +49,7 @@ void drive(const uint8_t* x, const int8_t* w, const int64_t* p, const uint8_t* r
 # name: (N, H, W, C, F, K, stride, pad, residual)
 SHAPES = {
     "112x112x16-96-1x1": (1, 112, 112, 16, 96, 1, 1, 0, False),
+    "112x112x32-16-1x1": (1, 112, 112, 32, 16, 1, 1, 0, False),
     "56x56x24-144-1x1": (1, 56, 56, 24, 144, 1, 1, 0, False),
     "56x56x144-24-1x1+res": (1, 56, 56, 144, 24, 1, 1, 0, True),
     "28x28x32-192-1x1": (1, 28, 28, 32, 192, 1, 1, 0, False),
@@ -65,6 +66,11 @@ SHAPES = {
     "8x8x20-40-1x1-shift62": (1, 8, 8, 20, 40, 1, 1, 0, False),
     "28x28x32-64-1x1-shift30": (1, 28, 28, 32, 64, 1, 1, 0, False),
     "8x8x20-72-1x1-shift62": (1, 8, 8, 20, 72, 1, 1, 0, False),
+    # blocks whose channels are all real: packed stores of 16 (F 80), 32 (F 96), 48 (F 112)
+    "8x8x20-80-1x1": (1, 8, 8, 20, 80, 1, 1, 0, False),
+    "8x8x20-96-1x1": (1, 8, 8, 20, 96, 1, 1, 0, False),
+    "8x8x20-112-1x1+res": (1, 8, 8, 20, 112, 1, 1, 0, True),
+    "112x112x3-32-3x3s2": (1, 224, 224, 3, 32, 3, 2, 1, False),
     # MiniLM's linears at seq 128, batch 1 (M = 128 rows as a 1 x 128 image)
     "minilm-qkv-128x384-1152": (1, 1, 128, 384, 1152, 1, 1, 0, False),
     "minilm-ffn1-128x384-1536": (1, 1, 128, 384, 1536, 1, 1, 0, False),

@@ -67,7 +67,8 @@ def test_microkernel_epilogues__narrow_and_wide_bit_exact_on_every_output_range(
     rng = np.random.default_rng(1)
     names = ["56x56x144-24-1x1+res", "9x11x6-40-3x3s2+res", "8x8x20-37-1x1-shift",
              "28x28x64-64-3x3+res-shift31", "28x28x32-192-1x1", "14x14x384-64-1x1",
-             "8x8x20-40-1x1-shift62", "28x28x32-64-1x1-shift30", "8x8x20-72-1x1-shift62"]
+             "8x8x20-40-1x1-shift62", "28x28x32-64-1x1-shift30", "8x8x20-72-1x1-shift62",
+             "8x8x20-80-1x1", "8x8x20-96-1x1", "8x8x20-112-1x1+res"]
     chosen, folded = [], []
     for i, name in enumerate(names * 2):
         layer = kbench.layer(name, kbench.SHAPES[name], kbench.OUTPUTS[i % 5], rng, wide=wide)

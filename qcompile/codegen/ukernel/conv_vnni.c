@@ -149,6 +149,12 @@ INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r,
     _mm_mask_storeu_epi8((void*)y, mask, _mm512_cvtepi32_epi8(y32));
 }
 
+// The high halves of the 64-bit sums of the even (pe) and odd (po) lanes as 16 i32 lanes: one
+// merge-masked vpshufd moves each even lane's high dword down into po's free even dwords.
+INLINE __m512i high32(__m512i pe, __m512i po) {
+  return _mm512_mask_shuffle_epi32(po, (__mmask16)0x5555, pe, _MM_PERM_DDBB);
+}
+
 // T >> k of the 64-bit sums of the even (pe) and odd (po) lanes as 16 i32 lanes (k < 32: a
 // residual term with a multiplier near 1 sets the shift to 30-31; pack_params.narrow_shift)
 INLINE __m512i high_k(__m512i pe, __m512i po, __m128i k, __m128i kl) {
@@ -177,8 +183,7 @@ INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_
     po = _mm512_add_epi64(po, _mm512_mul_epi32(
         _mm512_srli_epi64(r32, 32), _mm512_loadu_si512((const void*)(e->m1_odd + c))));
   }
-  __m512i t = e->nk == 32 ? _mm512_mask_blend_epi32((__mmask16)0xAAAA,
-                                                     _mm512_srli_epi64(pe, 32), po)
+  __m512i t = e->nk == 32 ? high32(pe, po)
                           : high_k(pe, po, _mm_cvtsi32_si128(e->nk),
                                    _mm_cvtsi32_si128(32 - e->nk));
   t = _mm512_add_epi32(t, _mm512_loadu_si512((const void*)(e->round32 + c)));
@@ -263,8 +268,7 @@ INLINE __m512i rq16_lean(__m512i v, const rq_regs* q, const uint8_t* r, __mmask1
     po = _mm512_add_epi64(po, _mm512_mul_epi32(_mm512_srli_epi64(r32, 32), q->m1o));
   }
   __m512i t = (mode & LEAN_K) ? high_k(pe, po, q->k, q->kl)
-                              : _mm512_mask_blend_epi32((__mmask16)0xAAAA,
-                                                        _mm512_srli_epi64(pe, 32), po);
+                              : high32(pe, po);
   return _mm512_srav_epi32(_mm512_add_epi32(t, q->rnd), q->sh);
 }
 
@@ -279,31 +283,61 @@ INLINE void store16_lean(__m512i v, const rq_regs* q, const uint8_t* r, uint8_t*
 // saturation to i16 (the zero point added there, saturating) and to int8, clamped as bytes, one
 // store. Saturation and the clamps are monotone and [qmin, qmax] lies inside the int8 range, so
 // this equals clamping the i32 sums. The packs work per 128-bit lane: vpermd restores the order.
-typedef struct { __m512i zo16, lo8, hi8, order; int s8; } pack_regs;
+typedef struct {
+  __m512i zo16, lo8, hi8, order;
+  int s8;
+  int zo, lo, hi;        // which of the zero point and the two clamps are not no-ops
+} pack_regs;
 
 INLINE pack_regs pack_at(const epi_args* e) {
   pack_regs k;
-  k.zo16 = _mm512_set1_epi16((int16_t)(e->zfold ? 0 : e->zout));
+  const int64_t zo = e->zfold ? 0 : e->zout;
+  k.zo16 = _mm512_set1_epi16((int16_t)zo);
   k.lo8 = _mm512_set1_epi8((char)e->qmin);
   k.hi8 = _mm512_set1_epi8((char)e->qmax);
   k.order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   k.s8 = e->sat_signed;
+  k.zo = zo != 0;
+  // the byte packs saturate to the int8 or uint8 range; clamps inside it remain
+  k.lo = e->qmin > (k.s8 ? -128 : 0);
+  k.hi = e->qmax < (k.s8 ? 127 : 255);
   return k;
 }
 
-INLINE void store64_lean(__m512i a, __m512i b, __m512i c, __m512i d, const pack_regs* k,
-                         uint8_t* y) {
-  const __m512i ab = _mm512_adds_epi16(_mm512_packs_epi32(a, b), k->zo16);
-  const __m512i cd = _mm512_adds_epi16(_mm512_packs_epi32(c, d), k->zo16);
-  __m512i v;
+// the packed bytes of four vectors of codes (before the zero point), per 128-bit lane
+INLINE __m512i pack64_lean(__m512i a, __m512i b, __m512i c, __m512i d, const pack_regs* k) {
+  __m512i ab = _mm512_packs_epi32(a, b), cd = _mm512_packs_epi32(c, d), v;
+  if (k->zo) {
+    ab = _mm512_adds_epi16(ab, k->zo16);
+    cd = _mm512_adds_epi16(cd, k->zo16);
+  }
   if (k->s8) {
     v = _mm512_packs_epi16(ab, cd);
-    v = _mm512_min_epi8(_mm512_max_epi8(v, k->lo8), k->hi8);
+    if (k->lo) v = _mm512_max_epi8(v, k->lo8);
+    if (k->hi) v = _mm512_min_epi8(v, k->hi8);
   } else {
     v = _mm512_packus_epi16(ab, cd);
-    v = _mm512_min_epu8(_mm512_max_epu8(v, k->lo8), k->hi8);
+    if (k->lo) v = _mm512_max_epu8(v, k->lo8);
+    if (k->hi) v = _mm512_min_epu8(v, k->hi8);
   }
-  _mm512_storeu_si512((void*)y, _mm512_permutexvar_epi32(k->order, v));
+  return v;
+}
+
+// The first n channels (16 NR at most) of one pixel from its NR vectors of codes, packed to
+// bytes in one group of 64 (a block of fewer vectors repeats them, which the packs do once).
+INLINE void store_packed(const __m512i* v, const int NR, const pack_regs* k, uint8_t* y,
+                         int64_t n) {
+  const __m512i a = v[0], b = NR > 1 ? v[1] : a, c = NR > 2 ? v[2] : a;
+  const __m512i d = NR > 3 ? v[3] : NR > 2 ? c : b;
+  const __m512i p = _mm512_permutexvar_epi32(k->order, pack64_lean(a, b, c, d, k));
+  if (n >= 64)
+    _mm512_storeu_si512((void*)y, p);
+  else if (n == 32)
+    _mm256_storeu_si256((__m256i*)y, _mm512_castsi512_si256(p));
+  else if (n == 16)
+    _mm_storeu_si128((__m128i*)y, _mm512_castsi512_si128(p));
+  else
+    _mm512_mask_storeu_epi8((void*)y, (__mmask64)((1ULL << n) - 1), p);
 }
 
 
@@ -330,22 +364,23 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
   __m512i acc[6][4];
   tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
   if (lean) {             // the tables of each 16 channels once for the tile's pixels
-    if (NR == 4 && f - c0 >= 64) {
-      // all 64 channels real: the codes first, then per pixel one packed store
+    const int64_t real = f - c0 < 16 * NR ? f - c0 : 16 * NR;   // channels of this block
+    if (real > 16 * (NR - 1)) {
+      // every vector holds real channels: the codes first, then per pixel one packed store
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const int64_t c = c0 + 16 * j;
+      for (int j = 0; j < NR; ++j) {
+        const int64_t c = c0 + 16 * j, left = real - 16 * j;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
         const rq_regs q = rq_at(e, c);
         const __m512i col = terms_col(t, c);
 #pragma GCC unroll 6
         for (int m = 0; m < MR; ++m)
           acc[m][j] = rq16_lean(with_terms(acc[m][j], t, m, col), &q,
-                                r ? r + m * f + 16 * j : 0, 0xFFFF, lean);
+                                r ? r + m * f + 16 * j : 0, mask, lean);
       }
       const pack_regs k = pack_at(e);
 #pragma GCC unroll 6
-      for (int m = 0; m < MR; ++m)
-        store64_lean(acc[m][0], acc[m][1], acc[m][2], acc[m][3], &k, ys[m]);
+      for (int m = 0; m < MR; ++m) store_packed(acc[m], NR, &k, ys[m], real);
       return;
     }
 #pragma GCC unroll 4
@@ -654,7 +689,7 @@ INLINE __m512i rq16_scalar(__m512i acc, const int64_t* p, int narrow) {
     const __m512i m = _mm512_set1_epi64(p[1]);
     __m512i pe = _mm512_mul_epi32(v, m);
     __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), m);
-    __m512i t = _mm512_mask_blend_epi32((__mmask16)0xAAAA, _mm512_srli_epi64(pe, 32), po);
+    __m512i t = high32(pe, po);
     t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)1 << (p[2] - 33)));
     t = _mm512_sra_epi32(t, _mm_cvtsi64_si128(p[2] - 32));
     t = _mm512_add_epi32(t, _mm512_set1_epi32((int32_t)p[3]));
@@ -1008,14 +1043,12 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 // (grid (ceil(C / 64), OH, N)).
 #define DW_INLINE static inline __attribute__((always_inline, target("avx512vbmi")))
 
-DW_INLINE void dw_store(__m512i v, const rq_regs* q, const epi_args* e, int64_t c, uint8_t* y,
-                        __mmask16 mask, const int lean) {
-  if (lean)
-    store16_lean(v, q, 0, y, mask, LEAN);
-  else if (e->narrow)
-    store16_narrow(v, e, c, 0, y, mask);
+// 16 channels of one pixel where the epilogue is not the lean one (which packs its stores)
+DW_INLINE void dw_store(__m512i v, const epi_args* e, int64_t c, uint8_t* y) {
+  if (e->narrow)
+    store16_narrow(v, e, c, 0, y, 0xFFFF);
   else
-    store16(v, e, c, 0, y, mask);
+    store16(v, e, c, 0, y, 0xFFFF);
 }
 
 // the byte offsets of the 8 pixels from `first + 3g` of each tap group g (those past the row
@@ -1039,6 +1072,7 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
   const __m512i init0 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0)) : zero;
   const __m512i init1 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0 + 16)) : zero;
   const rq_regs q0 = rq_at(e, c0), q1 = rq_at(e, c0 + 16);
+  const pack_regs pk = pack_at(e);
   for (int64_t ox = 0; ox < ow; ox += P) {
     int64_t off[3][8];
     dw_offsets(off, ox * S, groups, wp, c);
@@ -1072,8 +1106,14 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
     for (int j = 0; j < P; ++j) {
       if (ox + j >= ow) break;
       uint8_t* yp = y + (ox + j) * f;
-      dw_store(acc[j][0], &q0, e, c0, yp, 0xFFFF, lean);
-      dw_store(acc[j][1], &q1, e, c0 + 16, yp + 16, 0xFFFF, lean);
+      if (lean) {
+        const __m512i v[2] = {rq16_lean(acc[j][0], &q0, 0, 0xFFFF, LEAN),
+                              rq16_lean(acc[j][1], &q1, 0, 0xFFFF, LEAN)};
+        store_packed(v, 2, &pk, yp, 32);
+        continue;
+      }
+      dw_store(acc[j][0], e, c0, yp);
+      dw_store(acc[j][1], e, c0 + 16, yp + 16);
     }
   }
 }
@@ -1086,6 +1126,7 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
   const __m512i init = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0))
                                  : _mm512_setzero_si512();
   const rq_regs q = rq_at(e, c0);
+  const pack_regs pk = pack_at(e);
   for (int64_t ox = 0; ox < ow; ox += P) {
     int64_t off[3][8];
     dw_offsets(off, ox * S, groups, wp, c);
@@ -1113,7 +1154,11 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
 #pragma GCC unroll 6
     for (int j = 0; j < P; ++j) {
       if (ox + j >= ow) break;
-      dw_store(acc[j], &q, e, c0, y + (ox + j) * f, 0xFFFF, lean);   // C: a multiple of 16
+      if (lean)
+        store_packed((__m512i[1]){rq16_lean(acc[j], &q, 0, 0xFFFF, LEAN)}, 1, &pk,
+                     y + (ox + j) * f, 16);
+      else
+        dw_store(acc[j], e, c0, y + (ox + j) * f);   // C: a multiple of 16
     }
   }
 }
