@@ -1106,10 +1106,15 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
     for (int j = 0; j < P; ++j) {
       if (ox + j >= ow) break;
       uint8_t* yp = y + (ox + j) * f;
-      if (lean) {
+      if (lean && groups == 1) {     // (wider kernels run short of registers for the packs)
         const __m512i v[2] = {rq16_lean(acc[j][0], &q0, 0, 0xFFFF, LEAN),
                               rq16_lean(acc[j][1], &q1, 0, 0xFFFF, LEAN)};
         store_packed(v, 2, &pk, yp, 32);
+        continue;
+      }
+      if (lean) {
+        store16_lean(acc[j][0], &q0, 0, yp, 0xFFFF, LEAN);
+        store16_lean(acc[j][1], &q1, 0, yp + 16, 0xFFFF, LEAN);
         continue;
       }
       dw_store(acc[j][0], e, c0, yp);
@@ -1154,9 +1159,11 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
 #pragma GCC unroll 6
     for (int j = 0; j < P; ++j) {
       if (ox + j >= ow) break;
-      if (lean)
+      if (lean && groups == 1)
         store_packed((__m512i[1]){rq16_lean(acc[j], &q, 0, 0xFFFF, LEAN)}, 1, &pk,
                      y + (ox + j) * f, 16);
+      else if (lean)
+        store16_lean(acc[j], &q, 0, y + (ox + j) * f, 0xFFFF, LEAN);
       else
         dw_store(acc[j], e, c0, y + (ox + j) * f);   // C: a multiple of 16
     }
