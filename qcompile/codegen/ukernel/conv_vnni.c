@@ -348,6 +348,12 @@ typedef struct {
   const int32_t* col;      // this image's channels (fp of them)
 } terms_args;
 
+// the mask of 16 lanes whose first `left` hold real channels (or elements); none when left <= 0
+INLINE __mmask16 live16(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF
+                    : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
 // a matmul's per-channel terms of channels c.. (zeros for a conv), and an accumulator of
 // pixel m with its pixel and channel terms added
 INLINE __m512i terms_col(const terms_args* t, int64_t c) {
@@ -369,8 +375,8 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       // every vector holds real channels: the codes first, then per pixel one packed store
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
-        const int64_t c = c0 + 16 * j, left = real - 16 * j;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        const int64_t c = c0 + 16 * j;
+        const __mmask16 mask = live16(real - 16 * j);
         const rq_regs q = rq_at(e, c);
         const __m512i col = terms_col(t, c);
 #pragma GCC unroll 6
@@ -385,9 +391,8 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
-      const int64_t c = c0 + 16 * j, left = f - c;
-      const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
-                             : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+      const int64_t c = c0 + 16 * j;
+      const __mmask16 mask = live16(f - c);
       const rq_regs q = rq_at(e, c);
       const __m512i col = terms_col(t, c);
 #pragma GCC unroll 6
@@ -401,11 +406,9 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
-      int64_t c = c0 + 16 * j;
-      int64_t left = f - c;
-      // a matmul's blocks are 64 channels wide (packed at run time), so left can be <= 0
-      __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF
-                       : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+      const int64_t c = c0 + 16 * j;
+      // a matmul's blocks are 64 channels wide (packed at run time): none may be left
+      const __mmask16 mask = live16(f - c);
       const __m512i v = with_terms(acc[m][j], t, m, terms_col(t, c));
       if (e->fout)
         store16_float(v, e, c, r ? r + 4 * (m * f + 16 * j) : 0, ys[m] + 4 * 16 * j, mask);
@@ -584,7 +587,7 @@ enum { Q_N, Q_C, Q_H, Q_W, Q_PT, Q_PL, Q_ZP, Q_QMIN, Q_QMAX, Q_INV, Q_FILL, Q_RO
 static void quantize_row(const float* x, int64_t plane, int64_t w, int64_t c, __m512 inv,
                          __m512 zp, __m512 lo, __m512 hi, __m512i fill, uint32_t* y) {
   for (int64_t i = 0; i < w; i += 16) {
-    const __mmask16 m = w - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w - i)) - 1u);
+    const __mmask16 m = live16(w - i);
     __m512i px = fill;
     for (int64_t ch = 0; ch < c; ++ch) {
       __m512 v = _mm512_maskz_loadu_ps(m, x + ch * plane + i);
@@ -715,10 +718,6 @@ INLINE __m256i softmax8(__m256i e, __m512d m2, __m512d base, __m512d den, __m512
                          one);
   q = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(q, zp), lo), hi);
   return _mm512_cvtpd_epi32(q);
-}
-
-INLINE __mmask16 live16(int64_t left) {
-  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
 
 // The mask lookups and the softmax's exp entries of one row of scores (`row`: the i32 codes
@@ -1043,9 +1042,12 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 // (grid (ceil(C / 64), OH, N)).
 #define DW_INLINE static inline __attribute__((always_inline, target("avx512vbmi")))
 
-// 16 channels of one pixel where the epilogue is not the lean one (which packs its stores)
-DW_INLINE void dw_store(__m512i v, const epi_args* e, int64_t c, uint8_t* y) {
-  if (e->narrow)
+// 16 channels of one pixel, stored alone (the lean epilogue of a one-group row packs instead)
+DW_INLINE void dw_store(__m512i v, const rq_regs* q, const epi_args* e, int64_t c, uint8_t* y,
+                        const int lean) {
+  if (lean)
+    store16_lean(v, q, 0, y, 0xFFFF, LEAN);
+  else if (e->narrow)
     store16_narrow(v, e, c, 0, y, 0xFFFF);
   else
     store16(v, e, c, 0, y, 0xFFFF);
@@ -1112,13 +1114,8 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
         store_packed(v, 2, &pk, yp, 32);
         continue;
       }
-      if (lean) {
-        store16_lean(acc[j][0], &q0, 0, yp, 0xFFFF, LEAN);
-        store16_lean(acc[j][1], &q1, 0, yp + 16, 0xFFFF, LEAN);
-        continue;
-      }
-      dw_store(acc[j][0], e, c0, yp);
-      dw_store(acc[j][1], e, c0 + 16, yp + 16);
+      dw_store(acc[j][0], &q0, e, c0, yp, lean);
+      dw_store(acc[j][1], &q1, e, c0 + 16, yp + 16, lean);
     }
   }
 }
@@ -1162,10 +1159,8 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
       if (lean && groups == 1)
         store_packed((__m512i[1]){rq16_lean(acc[j], &q, 0, 0xFFFF, LEAN)}, 1, &pk,
                      y + (ox + j) * f, 16);
-      else if (lean)
-        store16_lean(acc[j], &q, 0, y + (ox + j) * f, 0xFFFF, LEAN);
       else
-        dw_store(acc[j], e, c0, y + (ox + j) * f);   // C: a multiple of 16
+        dw_store(acc[j], &q, e, c0, y + (ox + j) * f, lean);   // C: a multiple of 16
     }
   }
 }
