@@ -58,6 +58,15 @@ class InputError(QCompileError):
     """Run-time inputs do not match what the compiled model accepts."""
 
 
+class NonFiniteInput(InputError):
+    """A compiled module's input quantize saw a NaN or an infinity (the caller names where)."""
+
+    def __init__(self) -> None:
+        super().__init__("an input holds a NaN or an infinity", at="the compiled module's input",
+                         why="int8 models take finite inputs only",
+                         next="replace the non-finite values before the call")
+
+
 class ConfigError(QCompileError):
     """An environment setting qcompile reads (``QCOMPILE_THREADS``, ...) is malformed."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_cpu_target import _assert_bit_exact, _quantized
 from test_reference import KINDS
 
@@ -358,3 +359,55 @@ def test_linear_dequant__microkernel_f32_out_and_fused_add_bit_exact(rows, k, n,
         inputs.append((rng.standard_normal(ins[1].shape) * 3).astype(np.float32))
     got = module.module()(*inputs)[0]
     np.testing.assert_array_equal(got, interpreter.run(graph, *inputs)[0])
+
+
+class _ResBlocks(torch.nn.Module):
+    """A stem read by a max pool, a block output read by a padded conv and a 1x1 stride-2 conv
+    without padding, and one read by a padded conv and as the next block's residual: the
+    buffers resnets share between their readers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = torch.nn.Conv2d
+        self.stem, self.pool = conv(3, 16, 3, padding=1), torch.nn.MaxPool2d(3, 2, 1)
+        self.a1, self.a2 = conv(16, 16, 3, padding=1), conv(16, 16, 3, padding=1)
+        self.b1, self.b2 = conv(16, 32, 3, 2, 1), conv(32, 32, 3, padding=1)
+        self.down = conv(16, 32, 1, 2)
+        self.c1, self.c2 = conv(32, 32, 3, padding=1), conv(32, 32, 3, padding=1)
+        self.fc = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        relu = torch.relu
+        x = self.pool(relu(self.stem(x)))
+        y = relu(self.a2(relu(self.a1(x))) + x)
+        z = relu(self.b2(relu(self.b1(y))) + self.down(y))
+        w = relu(self.c2(relu(self.c1(z))) + z)
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(w, 1), 1))
+
+
+@needs_vnni
+def test_shared_outputs__written_bordered_once_and_read_in_place_bit_exact():
+    from qcompile.codegen.mlir_emit import EmitOptions, emit
+    from qcompile.frontend.quantize import quantize
+    from qcompile.reference.program import lower
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 16, 16, generator=gen),) for _ in range(3)]
+    q = quantize(_ResBlocks().eval(), batches[0], batches, QCOMPILE)
+    _, em = emit(lower(q, 4).graph, EmitOptions(ukernel_convs=True))
+    convs = {c.loc.split(" ", 1)[1]: c.shape for c in em.uk_calls if c.loc and c.quantize is None
+             and "conv" in c.loc}
+    stem, a2, b2, down, c2 = (convs[k] for k in ("stem conv2d", "a2 conv2d_2", "b2 conv2d_4",
+                                                 "down conv2d_5", "c2 conv2d_7"))
+    assert (stem.out_pad, stem.out_fill) == ((1, 1), 0)      # the max pool's border (u8 min)
+    assert a2.out_pad == (1, 1)                               # read by b1 and by down
+    assert down.x_off == (1 * 10 + 1) * 16 and (down.hp, down.wp) == (10, 10)
+    assert b2.out_pad == (1, 1) and c2.res_pad == (1, 1)      # z: by c1 and as c2's residual
+    # the max pool reads the stem's buffer; only its own output (read by a1 and as a2's
+    # residual, no microkernel output) is still copied into a padded buffer
+    assert em.module.operation.get_asm().count("tensor.insert_slice") == 1
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False,
+                                          ukernel_convs=True))
+    _assert_bit_exact(model, batches[1][0])
+    assert model.report["compile"]["ukernel"]["chains"] == {"1": 9, "4": 9}

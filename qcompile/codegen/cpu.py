@@ -49,13 +49,16 @@ class BatchModule:
     driver: str = "local-task"        # IREE runtime driver (hip, vulkan for the GPU targets)
     ukernel: dict[str, Any] | None = None   # the microkernel convs of this module
     pooled: bool = False              # runs inline, its dispatches on qcompile's thread pool
+    # its microkernel quantize reads every f32 input and reports a NaN or infinity (pooled
+    # modules): the caller's finiteness check is then made there (iree_cpu.Module)
+    finite_check: bool = False
     _module: iree_cpu.Module | None = field(default=None, repr=False)
     _inline: list[iree_cpu.Module] = field(default_factory=list, repr=False)
 
     def module(self) -> iree_cpu.Module:
         if self._module is None:
             if self.pooled:
-                self._module = iree_cpu.Module(self.vmfb, "local-sync", extra=(_pool_ctx(),))
+                self._module = self._local_sync(_pool_ctx())
             else:
                 self._module = iree_cpu.Module(self.vmfb, self.driver)
         return self._module
@@ -63,11 +66,20 @@ class BatchModule:
     def inline(self, i: int) -> iree_cpu.Module:
         """The ``i``-th ``local-sync`` instance (one per data-parallel shard thread; a pooled
         module's shards keep their dispatches on their own thread)."""
-        extra = (upool.ctx(1),) if self.pooled else ()
         with _LOCK:
             while len(self._inline) <= i:
-                self._inline.append(iree_cpu.Module(self.vmfb, "local-sync", extra=extra))
+                self._inline.append(self._local_sync(upool.ctx(1)) if self.pooled else
+                                    iree_cpu.Module(self.vmfb, "local-sync"))
             return self._inline[i]
+
+    def _local_sync(self, ctx: np.ndarray) -> iree_cpu.Module:
+        """A ``local-sync`` instance of this pooled module with the pool operand ``ctx`` (and
+        its own non-finite input flag, ``ctx[2]``, where the kernel checks the inputs)."""
+        flag = np.zeros(8, np.int64) if self.finite_check else None
+        if flag is not None:
+            ctx = ctx.copy()
+            ctx[2] = flag.ctypes.data
+        return iree_cpu.Module(self.vmfb, "local-sync", extra=(ctx,), nonfinite=flag)
 
 
 def pool_wanted() -> bool:
@@ -155,8 +167,8 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
             if opts not in texts:
                 module, em = emit(graph, opts)
                 texts[opts] = (module.operation.get_asm(enable_debug_info=True), em.uk_calls,
-                               em.uk_stock)
-            text, calls, stock = texts[opts]
+                               em.uk_stock, em.inputs_checked())
+            text, calls, stock, checked = texts[opts]
             if opts.ukernel_convs and not calls:
                 continue                  # nothing to lower: the stock try is the same module
             name = workaround
@@ -189,7 +201,7 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
                         "table_epilogue": sum(c.lut for c in chains),
                         "depthwise": sum(c.depthwise for c in chains)}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info,
-                                   pooled=pooled)
+                                   pooled=pooled, finite_check=pooled and checked)
             errors.append(got)
     assert first is not None
     raise iree_cpu.failure(first[0], first[1], errors, keep_dir, f"{graph.name}.b{batch}")
@@ -237,6 +249,12 @@ class CpuRunner:
 
     def __init__(self, modules: dict[int, BatchModule], outputs: list[OutputSpec]) -> None:
         self.modules, self.outputs = modules, outputs
+
+    @property
+    def checks_finite(self) -> bool:
+        """Whether every module's kernels check the float inputs for NaN and infinity
+        (``BatchModule.finite_check``; a hit raises :class:`NonFiniteInput`)."""
+        return all(m.finite_check for m in self.modules.values())
 
     def run_numpy(self, *inputs: np.ndarray) -> list[np.ndarray]:
         return run_in_pieces(self._run, inputs, list(self.modules))

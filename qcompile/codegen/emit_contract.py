@@ -136,7 +136,7 @@ def _qconv(em: Emitter, n: Node, v: list[Value]) -> Value:
     (ph, pw), (sh, sw), (dh, dw) = a.padding, a.stride, a.dilation
     from qcompile.codegen.emit_ukernel import prepadded
 
-    pre = None if nchw else prepadded(em, n, (ph, pw))
+    pre = None if nchw else prepadded(em, n, (ph, pw), int(a.x_zp))
     if pre is not None:
         xp = pre
     else:
@@ -401,8 +401,16 @@ def pool(em: Emitter, n: Node, x: TV, pad_value: ir.Value, out_dtype: DType, com
     before, strides = [0] * 4, [1] * 4
     before[hd], before[wd] = ph, pw
     strides[hd], strides[wd] = sh, sw
-    with em.loc(n, ".copy"):
-        xp = b.pad(x, before, before, pad_value)
+    from qcompile.codegen.emit_ukernel import prepadded
+
+    # a max pool reads a microkernel conv's output in place, bordered with the u8 minimum
+    bordered = prepadded(em, n, (ph, pw), DType.U8.range[0]) if \
+        n.op is Op.MAXPOOL2D and hd == 1 and x.dtype is DType.U8 else None
+    if bordered is not None:
+        xp = bordered
+    else:
+        with em.loc(n, ".copy"):
+            xp = b.pad(x, before, before, pad_value)
     parts = []
     for i in range(a.kernel[0]):
         for j in range(a.kernel[1]):

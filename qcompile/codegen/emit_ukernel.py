@@ -290,24 +290,38 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         depthwise = a.groups != 1          # why_not: groups == C == F
         c = cx if depthwise else c     # input channels
         cp = ukernel.padded_channels(c)
-        pre = prepadded(em, conv, (ph, pw))
+        pre = prepadded(em, conv, (ph, pw), int(a.x_zp))
+        inner = in_place(em, conv) if cp == c and not depthwise else None
+        x_off = 0
         if pre is not None and cp == c:
             xp = pre
+        elif inner is not None:
+            # a conv without padding reads another conv's padded output in place: the kernel
+            # starts at the first interior element and steps over the border rows and columns
+            xp, (pt, pl) = inner
+            x_off = (pt * (wd + 2 * pl) + pl) * cp
+            ph, pw = pt, pl
         elif (qin := _input_quantize(em, conv)) is not None:
             xp = _emit_input_quantize(em, conv, qin, (ph, pw))
         else:
             with em.loc(conv, ".copy"):
                 xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
         s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
-                              rq_node.shape[1], rq_node.shape[2], depthwise=depthwise)
-    # (a depthwise kernel writes no border for its reader)
-    nxt = _padded_reader(em, rq_node) if conv.op is Op.QCONV2D and not s.depthwise else None
+                              rq_node.shape[1], rq_node.shape[2], depthwise=depthwise,
+                              x_off=x_off)
+    # (a depthwise kernel writes no border for its readers)
+    border = out_border(em, rq_node) if conv.op is Op.QCONV2D and not s.depthwise else None
     # a table that reads only this requantize: the kernel stores the table's entries
     lut = table_reader(rq_node, em.users, {id(o) for o in em.graph.outputs})
-    if nxt is not None:
-        # written straight into the next conv's zero-point-padded input (the kernel writes
-        # the border too): no pad copy between the two dispatches
-        s = replace(s, out_pad=tuple(nxt.attrs.padding), out_fill=int(nxt.attrs.x_zp))
+    if border is not None:
+        # written straight into its readers' padded input (the kernel writes the border too):
+        # no fill and copy of a padded buffer between the dispatches
+        s = replace(s, out_pad=border[0], out_fill=border[1])
+    res_in = em.prepadded.get(id(rq_node.src[1])) if res is not None else None
+    if res_in is not None:
+        # the residual read in place from its producer's padded output
+        res = res_in[0]
+        s = replace(s, res_pad=res_in[1])
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
     extra: dict[str, Any] = {}
     packed = ukernel.pack_dw_weights(w[..., 0]) if s.depthwise else ukernel.pack_weights(w)
@@ -335,11 +349,11 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
 
         em.values[id(lut)] = b.reshape(out, lut.shape)
         return Fused(id(rq_node))  # type: ignore[return-value]
-    if nxt is None:
+    if border is None:
         return b.reshape(out, rq_node.shape)
     pt, pl = s.out_pad
     padded = b.reshape(out, (s.n, s.oh + 2 * pt, s.ow + 2 * pl, s.f))
-    em.prepadded[id(rq_node)] = (padded, s.out_pad)
+    em.prepadded[id(rq_node)] = (padded, s.out_pad, s.out_fill)
     return b.extract_slice(padded, [0, pt, pl, 0], list(rq_node.shape), [1, 1, 1, 1])
 
 
@@ -390,22 +404,54 @@ def _emit_linear_group(em: Emitter, lins: tuple[Node, ...], x: TV, zp: int) -> N
         em.uk_group_out[id(rq_node)] = b.reshape(piece, rq_node.shape)
 
 
-def _padded_reader(em: Emitter, rq_node: Node) -> Node | None:
-    """The one NHWC conv that reads ``rq_node`` (u8) through a zero-point pad, when the kernel can
-    write into that padded buffer: no other reader, not a graph output, and no channel padding
-    needed by a microkernel reader."""
+def out_border(em: Emitter, rq_node: Node) -> tuple[tuple[int, int], int] | None:
+    """The border ``((rows, columns), fill)`` a microkernel conv writes around its output
+    ``rq_node`` (u8, not a graph output) so that every reader reads that buffer in place, or
+    None. The readers: convs (NHWC) that pad it by the same border with their zero point, or a
+    max pool by the same border (its fill is the u8 minimum, 0); besides those, microkernel
+    convs without padding (they start inside the border: ``in_place``) and microkernel convs
+    whose requantize adds it as their residual (read past the border rows and columns).
+    Anything else, or borders that differ, and the output is written bare."""
     readers = em.users.get(id(rq_node), [])
-    if len(readers) != 1 or rq_node.dtype is not DType.U8 or \
+    if not readers or rq_node.dtype is not DType.U8 or \
             any(o is rq_node for o in em.graph.outputs):
         return None
-    nxt = readers[0]
-    if nxt.op is not Op.QCONV2D or nxt.src[0] is not rq_node or \
-            nxt.attrs.get("layout") != "nhwc" or tuple(nxt.attrs.padding) == (0, 0):
+    c = rq_node.shape[-1]
+    wants: set[tuple[tuple[int, int], int]] = set()
+    for r in readers:
+        nhwc = r.attrs.get("layout") == "nhwc"
+        if r.op is Op.QCONV2D and nhwc and r.src[0] is rq_node:
+            pads = tuple(r.attrs.padding)
+            if id(r) in em.uk_chains and c != ukernel.padded_channels(c):
+                return None           # the microkernel reads channels padded to 4
+            if pads != (0, 0):
+                wants.add((pads, int(r.attrs.x_zp)))
+            elif id(r) not in em.uk_chains or r.attrs.groups != 1:
+                return None
+        elif r.op is Op.MAXPOOL2D and nhwc and tuple(r.attrs.padding) != (0, 0):
+            wants.add((tuple(r.attrs.padding), DType.U8.range[0]))
+        elif not _residual_reader(em, r, rq_node):
+            return None
+    return wants.pop() if len(wants) == 1 else None
+
+
+def _residual_reader(em: Emitter, r: Node, x: Node) -> bool:
+    """Whether ``r`` is the requantize of a (non-depthwise) microkernel conv that reads ``x``
+    only as its residual."""
+    if r.op is not Op.REQUANT or len(r.src) != 2 or r.src[1] is not x or r.src[0] is x:
+        return False
+    conv = r.src[0]
+    return conv.op is Op.QCONV2D and em.uk_chains.get(id(conv)) is r and \
+        conv.attrs.groups == 1 and conv.src[0] is not x
+
+
+def in_place(em: Emitter, conv: Node) -> tuple[TV, tuple[int, int]] | None:
+    """The padded buffer ``conv`` (no padding of its own) reads its input from, with that
+    buffer's border, when its producer wrote one (``out_border``)."""
+    got = em.prepadded.get(id(conv.src[0]))
+    if got is None or tuple(conv.attrs.padding) != (0, 0):
         return None
-    if id(nxt) in em.uk_chains and rq_node.shape[-1] != ukernel.padded_channels(
-            rq_node.shape[-1]):
-        return None
-    return nxt
+    return got[0], got[1]
 
 
 def _input_quantize(em: Emitter, conv: Node) -> Node | None:
@@ -439,6 +485,7 @@ def _emit_input_quantize(em: Emitter, conv: Node, quant: Node, pads: tuple[int, 
     params = ukernel.pack_quantize_params(q, float(qp.scale[0]), zp, qp.qmin, qp.qmax, zp)
     x = em.values[id(quant.src[0])]
     assert isinstance(x, TV)
+    em.uk_checked.add(id(quant.src[0]))     # every value of it passes through the kernel
     name = f"{QUANT_PREFIX}{em.ids[id(quant)]}_{em.ids[id(conv.src[0])]}"   # quant, permute
     with em.loc(quant):
         out = _call(em, name, [_flat(x), b.constant(params, DType.I64)], q.out_size, DType.U8)
@@ -448,11 +495,11 @@ def _emit_input_quantize(em: Emitter, conv: Node, quant: Node, pads: tuple[int, 
     return b.reshape(out, (n, h + 2 * pads[0], w + 2 * pads[1], 4))
 
 
-def prepadded(em: Emitter, conv: Node, pads: tuple[int, int]) -> TV | None:
-    """``conv``'s input as the microkernel already wrote it, padded by ``pads`` with the conv's
-    zero point (:func:`_padded_reader`), or None."""
-    got = em.prepadded.get(id(conv.src[0]))
-    return got[0] if got is not None and got[1] == tuple(pads) else None
+def prepadded(em: Emitter, reader: Node, pads: tuple[int, int], fill: int) -> TV | None:
+    """``reader``'s input as the microkernel already wrote it, bordered by ``pads`` filled with
+    ``fill`` (:func:`out_border`), or None."""
+    got = em.prepadded.get(id(reader.src[0]))
+    return got[0] if got is not None and got[1:] == (tuple(pads), fill) else None
 
 
 # output pixels per kernel row when a linear runs as a 1×1 conv: its M rows are split into

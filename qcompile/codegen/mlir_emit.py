@@ -128,9 +128,16 @@ class Emitter:
             self.uk_stock[f"attention: {why}"] = count
         self.module: ir.Module | None = None
         self.values: dict[int, Value] = {}     # emitted so far (node id → value)
-        # microkernel outputs written into their reader's zero-point-padded input: node id →
-        # (padded tensor, (pad rows, pad columns)) (emit_ukernel.prepadded)
-        self.prepadded: dict[int, tuple[TV, tuple[int, int]]] = {}
+        # microkernel outputs written with the border their readers pad them by: node id →
+        # (padded tensor, (border rows, border columns), fill) (emit_ukernel.out_border)
+        self.prepadded: dict[int, tuple[TV, tuple[int, int], int]] = {}
+        # f32 tensors a microkernel quantize reads whole: in a pooled module it reports a NaN
+        # or infinity among them (the input check, iree_cpu.Module)
+        self.uk_checked: set[int] = set()
+
+    def inputs_checked(self) -> bool:
+        """Whether every f32 graph input is read whole by a microkernel quantize."""
+        return all(id(x) in self.uk_checked for x in self.graph.inputs if x.dtype is DType.F32)
 
     def loc(self, n: Node, part: str = "") -> ir.Location:
         return ir.Location.name(f"qir{self.ids[id(n)]}{part}")

@@ -68,6 +68,7 @@ def save(model: CompiledModel, path: str | Path) -> Path:
         "modules": {f"{k}.vmfb": {**({} if seq is None else {"seq": seq}), "batch": b,
                                   "bytes": len(m.vmfb),
                                   **({"pooled": True} if m.pooled else {}),
+                                  **({"finite_check": True} if m.finite_check else {}),
                                   "sha256": hashlib.sha256(m.vmfb).hexdigest()}
                     for k, (seq, b, m) in entries.items()},
         "flags": {_flag_key(seq, b): list(m.flags) for seq, b, m in entries.values()},
@@ -106,7 +107,8 @@ def load(path: str | Path) -> CompiledModel:
             outputs = [OutputSpec(o["dtype"], _at_length(o, seq)) for o in meta["outputs"]]
             modules = {int(m["batch"]): BatchModule(
                 int(m["batch"]), blobs[name], tuple(meta["flags"][_flag_key(seq, m["batch"])]),
-                None, pooled=bool(m.get("pooled", False)))
+                None, pooled=bool(m.get("pooled", False)),
+                finite_check=bool(m.get("pooled", False) and m.get("finite_check", False)))
                 for name, m in meta["modules"].items() if m.get("seq") == seq}
             runners[seq] = CpuRunner(modules, outputs)
     except (KeyError, TypeError, ValueError, AttributeError) as err:

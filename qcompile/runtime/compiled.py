@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qcompile.errors import InputError
+from qcompile.errors import InputError, NonFiniteInput
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,16 @@ class CompiledModel:
     report: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        self.check_inputs(inputs)
+        # a runner whose kernels see every float input checks them for NaN and infinity on
+        # the way (no pass over the inputs here); the error then names where, as below
+        in_kernel = bool(getattr(self.runner, "checks_finite", False))
+        self.check_inputs(inputs, finite=not in_kernel)
         with torch.no_grad():
-            return self.runner(*inputs)
+            try:
+                return self.runner(*inputs)
+            except NonFiniteInput:
+                self.check_inputs(inputs)
+                raise
 
     def save(self, path: Any) -> Any:
         """Write this model as a ``.qca`` artifact (target ``cpu``); see
@@ -58,14 +65,14 @@ class CompiledModel:
 
         return save(self, path)
 
-    def check_inputs(self, inputs: tuple[Any, ...]) -> None:
+    def check_inputs(self, inputs: tuple[Any, ...], finite: bool = True) -> None:
         expected = ", ".join(s.describe() for s in self.signature)
         if len(inputs) != len(self.signature):
             raise InputError(f"expected {len(self.signature)} inputs, got {len(inputs)}",
                              at=f"CompiledModel({self.target}) call", why=f"inputs: {expected}",
                              next="pass one tensor per model input, in order")
         for i, (x, sig) in enumerate(zip(inputs, self.signature, strict=True)):
-            problem = _input_problem(x, sig)
+            problem = _input_problem(x, sig, finite)
             if problem:
                 raise InputError(f"input {i} ({sig.name}) does not fit the compiled model",
                                  at=f"CompiledModel({self.target}) input {i}", why=problem,
@@ -79,7 +86,7 @@ class CompiledModel:
                              next="pass inputs of one length (dim 1)")
 
 
-def _input_problem(x: Any, sig: InputSignature) -> str | None:
+def _input_problem(x: Any, sig: InputSignature, finite: bool = True) -> str | None:
     if not isinstance(x, torch.Tensor):
         return f"got a {type(x).__name__}, not a torch.Tensor"
     if x.is_nested or x.layout is not torch.strided:
@@ -103,7 +110,7 @@ def _input_problem(x: Any, sig: InputSignature) -> str | None:
         return f"batch size {n}; this model was compiled for batch {sig.batch} only"
     if n > sig.max_batch:
         return f"batch size {n} exceeds the maximum {sig.max_batch}"
-    if x.dtype.is_floating_point and not _all_finite(x):
+    if finite and x.dtype.is_floating_point and not _all_finite(x):
         return _non_finite(x)
     return None
 

@@ -233,3 +233,35 @@ def test_exec__fortran_order_npy_equals_c_order(artifact, tmp_path):
         outs.append(np.load(tmp_path / f"{name}.npz")["output_0"])
     np.testing.assert_array_equal(*outs)
     tally.case("run-time input cases", "exec fortran-order")
+
+
+def test_non_finite__checked_by_the_quantize_kernel_not_by_a_pass_in_python(
+        compiled, loaded, monkeypatch):
+    """The block's input quantize is a microkernel that reads every input value: it reports a
+    NaN or infinity, and a finite call makes no pass over the inputs in Python. A hit is then
+    named exactly as the Python check names it."""
+    import qcompile.runtime.compiled as cm
+
+    assert compiled.runner.checks_finite and loaded.runner.checks_finite
+    seen: list[int] = []
+    real = cm._all_finite
+    monkeypatch.setattr(cm, "_all_finite", lambda x: seen.append(1) or real(x))
+    for model in (compiled, loaded):
+        for batch in (1, 2, 3):            # 3: pieces of 2 and 1
+            model(X.repeat(2, 1, 1, 1)[:batch])
+    assert seen == []
+    bad = X.repeat(2, 1, 1, 1)[:3].clone()
+    bad[2, 0, 5, 6] = float("-inf")
+    for model in (compiled, loaded):
+        with pytest.raises(InputError, match=r"the first -inf at index \[2, 0, 5, 6\]"):
+            model(bad)
+        np.testing.assert_array_equal(model(X).numpy(), compiled(X).numpy())   # still runs
+    assert seen
+
+
+def test_non_finite__checked_in_python_where_no_kernel_reads_the_inputs(quantized):
+    model = qcompile.compile(quantized, "cpu", {"batch_sizes": (2,), "analyze": False,
+                                                "ukernel_convs": False})
+    assert not model.runner.checks_finite
+    with pytest.raises(InputError, match=r"the first nan at index \[1, 2, 3, 4\]"):
+        model(_with(float("nan")))

@@ -47,7 +47,7 @@ def cflags() -> tuple[str, ...]:
     return BASE_CFLAGS + (("-mavx512vbmi",) if host_has_vbmi() else ())
 
 
-HEADER = 32
+HEADER = 36
 H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue's split k (0: i64 lanes)
 H_ZFOLD = 29        # header slot: the output zero point is folded into its rounding term
 H_FLOAT = 30        # header slot: a dequantize (f32 out, f32 residual)
@@ -122,6 +122,10 @@ class ConvShape:
     out_pad: tuple[int, int] = (0, 0)   # output border rows / columns per side
     out_fill: int = 0                   # the border's value (u8 code)
     depthwise: bool = False             # one filter per channel (qk_dwconv_u8s8), c == f
+    # the input's first element inside the buffer (elements): a conv without padding reading
+    # another conv's padded output in place, hp x wp then that buffer's
+    x_off: int = 0
+    res_pad: tuple[int, int] = (0, 0)   # the residual's border rows / columns per side
 
     @property
     def out_size(self) -> int:
@@ -291,11 +295,11 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
         if zfold:
             round32 = round32 + np.int64(zout) * np.left_shift(np.int64(1), sh_k - k)
     h = np.zeros(HEADER, np.int64)
-    h[:32] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
+    h[:] = [s.hp, s.wp, s.c, s.kh, s.kw, s.sh, s.sw, s.dh, s.dw, s.oh, s.ow, s.f, fp,
               int(m1 is not None or float_residual), int(res_signed), zout, qmin,
               qmax, s.n, s.wstride, s.chunk, *s.out_pad, s.out_fill, k, res_zp,
               int(signed), int(clamp_lo), int(clamp_hi), int(zfold), int(floating),
-              int(lut is not None)]
+              int(lut is not None), s.x_off, *s.res_pad, 0]
     # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
     # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
     # rounding term 2^(s-1-k) (+ zp · 2^(s-k) where it folds); s - k. Zeros where the wide

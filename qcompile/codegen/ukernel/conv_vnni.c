@@ -29,7 +29,8 @@ enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
   H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
   H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD, H_FLOAT, H_LUT,
-  HEADER = 32
+  H_XOFF, H_RPT, H_RPL,
+  HEADER = 36
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -365,8 +366,9 @@ INLINE __m512i with_terms(__m512i v, const terms_args* t, int m, __m512i col) {
 }
 
 INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
-                     const uint8_t* const* xs, int64_t c0, int64_t f, const uint8_t* r,
-                     uint8_t* const* ys, int MR, int NR, const int lean) {
+                     const uint8_t* const* xs, int64_t c0, int64_t f,
+                     const uint8_t* const* rs, uint8_t* const* ys, int MR, int NR,
+                     const int lean) {
   __m512i acc[6][4];
   tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
   if (lean) {             // the tables of each 16 channels once for the tile's pixels
@@ -382,7 +384,7 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
 #pragma GCC unroll 6
         for (int m = 0; m < MR; ++m)
           acc[m][j] = rq16_lean(with_terms(acc[m][j], t, m, col), &q,
-                                r ? r + m * f + 16 * j : 0, mask, lean);
+                                rs ? rs[m] + 16 * j : 0, mask, lean);
       }
       const pack_regs k = pack_at(e);
 #pragma GCC unroll 6
@@ -397,7 +399,7 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       const __m512i col = terms_col(t, c);
 #pragma GCC unroll 6
       for (int m = 0; m < MR; ++m)
-        store16_lean(with_terms(acc[m][j], t, m, col), &q, r ? r + m * f + 16 * j : 0,
+        store16_lean(with_terms(acc[m][j], t, m, col), &q, rs ? rs[m] + 16 * j : 0,
                      ys[m] + 16 * j, mask, lean);
     }
     return;
@@ -410,32 +412,33 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       // a matmul's blocks are 64 channels wide (packed at run time): none may be left
       const __mmask16 mask = live16(f - c);
       const __m512i v = with_terms(acc[m][j], t, m, terms_col(t, c));
+      const uint8_t* r = rs ? rs[m] + (e->fout ? 4 : 1) * 16 * j : 0;
       if (e->fout)
-        store16_float(v, e, c, r ? r + 4 * (m * f + 16 * j) : 0, ys[m] + 4 * 16 * j, mask);
+        store16_float(v, e, c, r, ys[m] + 4 * 16 * j, mask);
       else if (e->narrow)
-        store16_narrow(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
+        store16_narrow(v, e, c, r, ys[m] + 16 * j, mask);
       else
-        store16(v, e, c, r ? r + m * f + 16 * j : 0, ys[m] + 16 * j, mask);
+        store16(v, e, c, r, ys[m] + 16 * j, mask);
     }
 }
 
 #define TILE_CASE(MR, NR) \
   case MR:                                                                                \
     switch (lean) {                                                                       \
-      case LEAN: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN); break;                \
-      case LEAN | LEAN_RES: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN | LEAN_RES); \
+      case LEAN: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN); break;                \
+      case LEAN | LEAN_RES: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN | LEAN_RES); \
         break;                                                                            \
-      case LEAN | LEAN_K: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN | LEAN_K);     \
+      case LEAN | LEAN_K: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN | LEAN_K);     \
         break;                                                                            \
       case LEAN | LEAN_RES | LEAN_K:                                                      \
-        run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, LEAN | LEAN_RES | LEAN_K); break;     \
-      default: run_tile(a, e, t, xs, c0, f, r, ys, MR, NR, 0); break;                     \
+        run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN | LEAN_RES | LEAN_K); break;     \
+      default: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, 0); break;                     \
     }                                                                                     \
     break;
 #define TILES(NR)                                                                         \
   static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
                          const uint8_t* const* xs, int64_t c0, int64_t f,                 \
-                         const uint8_t* r, uint8_t* const* ys, int mr, int lean) {        \
+                         const uint8_t* const* rs, uint8_t* const* ys, int mr, int lean) { \
     switch (mr) {                                                                         \
       TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
       TILE_CASE(5, NR) TILE_CASE(6, NR)                                                   \
@@ -492,7 +495,9 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   conv_args a;
   a.row = wp * c;
   a.c = c; a.kh = kh; a.kw = kw; a.sw = h[H_SW]; a.dh = h[H_DH]; a.dw = h[H_DW];
-  a.x = xb + xo + n * hp * wp * c;
+  // H_XOFF: the input's origin inside a bigger padded buffer (hp x wp), for a conv without
+  // padding that reads another conv's padded output in place
+  a.x = xb + xo + h[H_XOFF] + n * hp * wp * c;
   const int64_t k = kh * kw * c;
   const int64_t c0 = blk * 64;
   int64_t nr16 = (fp - c0) / 16;
@@ -510,6 +515,10 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   // each side, filled with H_YFILL (the next conv's zero point) by the chunks they touch
   const int64_t pt = h[H_YPT], pl = h[H_YPL], owp = ow + 2 * pl;
   uint8_t* ybase = yb + (yo + n * (ohn + 2 * pt) * owp * f + c0) * esz;
+  // the residual may be read in place from a padded buffer too: H_RPT rows and H_RPL columns
+  // of border on each side
+  const int64_t rpt = h[H_RPT], rpl = h[H_RPL], owr = ow + 2 * rpl;
+  const uint8_t* rbase = e.res ? rb + (ro + n * (ohn + 2 * rpt) * owr * f + c0) * esz : 0;
   if (pt || pl) {
     const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
     const int64_t left = f - c0;
@@ -541,18 +550,21 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
     const uint8_t* xs[6];
     uint8_t* ys[6];
+    const uint8_t* rs[6];
 #pragma GCC unroll 6
     for (int m = 0; m < 6; ++m) {
       if (m < mr) {
         xs[m] = a.x + oy * sh_row + ox * sw_c;
         ys[m] = ybase + ((oy + pt) * owp + ox + pl) * f * esz;
+        rs[m] = rbase + ((oy + rpt) * owr + ox + rpl) * f * esz;
         if (++ox == ow) { ox = 0; ++oy; }
       } else {
         xs[m] = a.x;
         ys[m] = ybase;
+        rs[m] = rbase;
       }
     }
-    const uint8_t* rp = e.res ? rb + (ro + (image + p) * f + c0) * esz : 0;
+    const uint8_t* const* rp = e.res ? rs : 0;
     if (terms) tt.row = terms + image + p;
     switch (nr) {
       case 1: tiles_1(&a, &e, t, xs, c0, f, rp, ys, mr, lean); break;
@@ -584,13 +596,16 @@ void qk_matmul_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
 // Q_ROWS input rows of image n (and the border rows next to them).
 enum { Q_N, Q_C, Q_H, Q_W, Q_PT, Q_PL, Q_ZP, Q_QMIN, Q_QMAX, Q_INV, Q_FILL, Q_ROWS };
 
-static void quantize_row(const float* x, int64_t plane, int64_t w, int64_t c, __m512 inv,
-                         __m512 zp, __m512 lo, __m512 hi, __m512i fill, uint32_t* y) {
+// (returns the lanes that held a NaN or an infinity: the caller's input check)
+static __mmask16 quantize_row(const float* x, int64_t plane, int64_t w, int64_t c, __m512 inv,
+                              __m512 zp, __m512 lo, __m512 hi, __m512i fill, uint32_t* y) {
+  __mmask16 bad = 0;
   for (int64_t i = 0; i < w; i += 16) {
     const __mmask16 m = live16(w - i);
     __m512i px = fill;
     for (int64_t ch = 0; ch < c; ++ch) {
       __m512 v = _mm512_maskz_loadu_ps(m, x + ch * plane + i);
+      bad |= _mm512_fpclass_ps_mask(v, 0x99);      // QNaN, +inf, -inf, SNaN
       v = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zp), lo), hi);
       const __m512i q = _mm512_cvttps_epi32(v);
@@ -599,11 +614,14 @@ static void quantize_row(const float* x, int64_t plane, int64_t w, int64_t c, __
     }
     _mm512_mask_storeu_epi32((void*)(y + i), m, px);
   }
+  return bad;
 }
 
-void qk_quantize_nchw(const float* xb, int64_t xo, const int64_t* pb, int64_t po, uint8_t* yb,
-                      int64_t yo, int64_t chunk, int64_t unused, int64_t n) {
-  (void)unused;
+// One chunk of the quantize; a NaN or infinity among its inputs sets *nonfinite (when given):
+// the input check of the caller, made while the values pass through here anyway.
+static void quantize_chunk(const float* xb, int64_t xo, const int64_t* pb, int64_t po,
+                           uint8_t* yb, int64_t yo, int64_t chunk, int64_t n,
+                           int64_t* nonfinite) {
   const int64_t* h = pb + po;
   const int64_t c = h[Q_C], hh = h[Q_H], w = h[Q_W], pt = h[Q_PT], pl = h[Q_PL];
   const int64_t wp = w + 2 * pl, hp = hh + 2 * pt;
@@ -621,6 +639,7 @@ void qk_quantize_nchw(const float* xb, int64_t xo, const int64_t* pb, int64_t po
   const int64_t r1 = r0 + h[Q_ROWS] < hh ? r0 + h[Q_ROWS] : hh;
   // border rows: the top ones with the first chunk, the bottom ones with the last
   const int64_t b0 = r0 == 0 ? 0 : r0 + pt, b1 = r1 == hh ? hp : r1 + pt;
+  __mmask16 bad = 0;
   for (int64_t r = b0; r < b1; ++r) {
     uint32_t* row = y + r * wp;
     if (r < pt || r >= hh + pt) {
@@ -628,8 +647,15 @@ void qk_quantize_nchw(const float* xb, int64_t xo, const int64_t* pb, int64_t po
       continue;
     }
     for (int64_t i = 0; i < pl; ++i) row[i] = row[pl + w + i] = fill;
-    quantize_row(x + (r - pt) * w, hh * w, w, c, vinv, zp, lo, hi, vfill, row + pl);
+    bad |= quantize_row(x + (r - pt) * w, hh * w, w, c, vinv, zp, lo, hi, vfill, row + pl);
   }
+  if (bad && nonfinite) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+}
+
+void qk_quantize_nchw(const float* xb, int64_t xo, const int64_t* pb, int64_t po, uint8_t* yb,
+                      int64_t yo, int64_t chunk, int64_t unused, int64_t n) {
+  (void)unused;
+  quantize_chunk(xb, xo, pb, po, yb, yo, chunk, n, 0);
 }
 
 // Several linears that read the same input (attention's q, k and v projections) as one
@@ -1298,12 +1324,16 @@ PAR_ENTRY(qk_dwconv_u8s8,
                          PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, const uint8_t*),
                          PAR_ARG(a, 4, uint8_t*), PAR_IDS(a, i)),
           P5(const uint8_t*, const int8_t*, const int64_t*, const uint8_t*, uint8_t*), S5)
+// the pooled quantize also reports a NaN or infinity in its input: ctx[2], where not 0, points
+// to the caller's flag (the module's input check, qcompile/codegen/iree_cpu.py)
 PAR_ENTRY(qk_quantize_nchw,
-          qk_quantize_nchw(PAR_ARG(a, 0, const float*), PAR_ARG(a, 1, const int64_t*),
-                           PAR_ARG(a, 2, uint8_t*), PAR_IDS(a, i)),
+          quantize_chunk(PAR_ARG(a, 0, const float*), PAR_ARG(a, 1, const int64_t*),
+                         PAR_ARG(a, 2, uint8_t*), i % a->gx, i / (a->gx * a->gy),
+                         (int64_t*)a->p[3]),
           const float* p0 COMMA int64_t o0 COMMA const int64_t* p1 COMMA int64_t o1 COMMA
               uint8_t* p2 COMMA int64_t o2,
-          PAR_SET(a, 0, p0, o0); PAR_SET(a, 1, p1, o1); PAR_SET(a, 2, p2, o2))
+          PAR_SET(a, 0, p0, o0); PAR_SET(a, 1, p1, o1); PAR_SET(a, 2, p2, o2);
+          PAR_SET(a, 3, (const void*)(intptr_t)cb[co + 2], 0))
 PAR_ENTRY(qk_linear_multi,
           qk_linear_multi(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
                           PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, uint8_t*),
