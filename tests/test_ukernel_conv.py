@@ -411,3 +411,18 @@ def test_shared_outputs__written_bordered_once_and_read_in_place_bit_exact():
                                           ukernel_convs=True))
     _assert_bit_exact(model, batches[1][0])
     assert model.report["compile"]["ukernel"]["chains"] == {"1": 9, "4": 9}
+
+
+@needs_vnni
+def test_port_bench__every_mix_timed_at_a_plausible_rate():
+    spec = importlib.util.spec_from_file_location(
+        "vnni_port_bench", Path(__file__).resolve().parent.parent / "scripts" /
+        "vnni_port_bench.py")
+    ports = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ports)
+    (row,) = ports.run(20_000, [0])
+    assert 0.5 < row["clock"] < 8                      # GHz
+    for name, _ in ports.MIXES:                        # instructions per cycle, 0.1 .. 6
+        assert 0.1 < row[name] / row["clock"] < 6, name
+    text = ports.table([row])
+    assert text.count("\n| ") == len(ports.MIXES) + 1 and "vpdpbusd GOPS per core" in text

@@ -518,7 +518,9 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   // the residual may be read in place from a padded buffer too: H_RPT rows and H_RPL columns
   // of border on each side
   const int64_t rpt = h[H_RPT], rpl = h[H_RPL], owr = ow + 2 * rpl;
-  const uint8_t* rbase = e.res ? rb + (ro + n * (ohn + 2 * rpt) * owr * f + c0) * esz : 0;
+  // (without a residual the pointers are never read: formed from the output buffer instead)
+  const uint8_t* rbase =
+      (e.res ? rb + ro * esz : yb) + (n * (ohn + 2 * rpt) * owr * f + c0) * esz;
   if (pt || pl) {
     const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
     const int64_t left = f - c0;
@@ -546,6 +548,9 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   }
   const int64_t sh_row = h[H_SH] * a.row, sw_c = a.sw * c;
   int64_t oy = p0 / ow, ox = p0 % ow;    // the next pixel's output row and column
+  // the next pixel's residual (bytes from rbase): one pixel on, and the border at a row's end
+  int64_t roff = ((oy + rpt) * owr + ox + rpl) * f * esz;
+  const int64_t rwrap = 2 * rpl * f * esz;
   for (int64_t p = p0; p < p1; p += 6) {
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
     const uint8_t* xs[6];
@@ -556,8 +561,11 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
       if (m < mr) {
         xs[m] = a.x + oy * sh_row + ox * sw_c;
         ys[m] = ybase + ((oy + pt) * owp + ox + pl) * f * esz;
-        rs[m] = rbase + ((oy + rpt) * owr + ox + rpl) * f * esz;
-        if (++ox == ow) { ox = 0; ++oy; }
+        if (e.res) {
+          rs[m] = rbase + roff;
+          roff += f * esz;
+        }
+        if (++ox == ow) { ox = 0; ++oy; roff += rwrap; }
       } else {
         xs[m] = a.x;
         ys[m] = ybase;

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Throughput of the AVX-512 instructions the int8 kernels are made of, alone and mixed, on this
+CPU: the hardware ceiling of ``vpdpbusd`` (GOPS per core) and what the requantize epilogue takes
+from it. Each mix is a loop of independent instructions in inline assembly (16 destination
+registers, so no dependency chain limits it), built by gcc and timed; the clock comes from a
+chain of dependent scalar adds (one per cycle).
+
+Usage: .venv/bin/python scripts/vnni_port_bench.py [--iters N] [--cpus 0 1]
+
+With several ``--cpus`` the loops run on all of them at once (the all-core ceiling)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from qcompile.codegen import ukernel  # noqa: E402
+
+# one AVX-512 instruction per name: destination %%zmmD, sources zmm30 / zmm31 (zmm29 holds the
+# vpermd indices); a D of 0..15 gives independent destinations
+OPS = {
+    "vpdpbusd": "vpdpbusd %%zmm30, %%zmm31, %%zmmD",
+    "vpmuldq": "vpmuldq %%zmm30, %%zmm31, %%zmmD",
+    "vpaddd": "vpaddd %%zmm30, %%zmm31, %%zmmD",
+    "vpsrlq": "vpsrlq $32, %%zmm31, %%zmmD",
+    "vpsravd": "vpsravd %%zmm30, %%zmm31, %%zmmD",
+    "vpshufd": "vpshufd $0xf5, %%zmm31, %%zmmD",
+    "vpackssdw": "vpackssdw %%zmm30, %%zmm31, %%zmmD",
+    "vpermd": "vpermd %%zmm31, %%zmm29, %%zmmD",
+    "vpermt2b": "vpermt2b %%zmm30, %%zmm29, %%zmmD",
+}
+
+# (name, [(op, count), ...]): the instructions of one step, repeated; per 16 outputs where it
+# models a kernel
+MIXES: list[tuple[str, list[tuple[str, int]]]] = [
+    # (vpermt2b, the depthwise kernel's byte interleave, where the CPU has AVX-512 VBMI)
+    *((op, [(op, 16)]) for op in OPS if op != "vpermt2b" or ukernel.host_has_vbmi()),
+    ("vpdpbusd + vpmuldq", [("vpdpbusd", 8), ("vpmuldq", 8)]),
+    ("vpdpbusd + vpaddd", [("vpdpbusd", 8), ("vpaddd", 8)]),
+    ("vpdpbusd + vpsrlq", [("vpdpbusd", 8), ("vpsrlq", 8)]),
+    ("vpdpbusd + vpshufd", [("vpdpbusd", 8), ("vpshufd", 8)]),
+    ("vpdpbusd + vpackssdw", [("vpdpbusd", 8), ("vpackssdw", 8)]),
+    # a 1x1 conv with K = 16 per 16 outputs: 4 vpdpbusd, then the exact requantize (odd lanes
+    # down, two 32x32->64 products, high halves merged, rounding, shift) and a quarter of the
+    # byte packs and their reorder
+    ("K=16 conv step (16 outputs)", [("vpdpbusd", 4), ("vpsrlq", 1), ("vpmuldq", 2),
+                                     ("vpshufd", 1), ("vpaddd", 1), ("vpsravd", 1)]),
+    ("K=64 conv step (16 outputs)", [("vpdpbusd", 16), ("vpsrlq", 1), ("vpmuldq", 2),
+                                     ("vpshufd", 1), ("vpaddd", 1), ("vpsravd", 1)]),
+]
+
+HEAD = r"""
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+#define CLOBBER "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7","xmm8","xmm9", \
+  "xmm10","xmm11","xmm12","xmm13","xmm14","xmm15"
+int main(int argc, char** argv) {
+  const long n = atol(argv[1]);
+  if (argc > 2) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(atoi(argv[2]), &one);
+    sched_setaffinity(0, sizeof one, &one);
+  }
+  double t;
+  long x = 1;
+  __asm__ volatile("vpternlogd $0xff, %%zmm29, %%zmm29, %%zmm29" ::: "xmm29");
+  t = now();
+  for (long i = 0; i < n; ++i)
+    __asm__ volatile("add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
+                     "add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0" : "+r"(x));
+  printf("clock %.6f\n", n * 8.0 / (now() - t) / 1e9);
+"""
+
+
+def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
+    """The mix's step ``repeat`` times as one asm string and its length: the accumulating
+    vpdpbusd cycles over zmm0..7 (eight chains hide its latency), the rest over zmm8..15."""
+    lines, acc, other = [], 0, 0
+    for _ in range(repeat):
+        for op, count in mix:
+            for _ in range(count):
+                if op == "vpdpbusd":
+                    d, acc = acc % 8, acc + 1
+                else:
+                    d, other = 8 + other % 8, other + 1
+                lines.append(OPS[op].replace("zmmD", f"zmm{d}"))
+    return "\\n\\t".join(lines), len(lines)
+
+
+def source() -> str:
+    out = [HEAD]
+    for name, mix in MIXES:
+        body, count = _body(mix)
+        out.append(f'  t = now();\n  for (long i = 0; i < n; ++i) __asm__ volatile("{body}" ::: '
+                   f'CLOBBER);\n  printf("{name}\\t%.6f\\n", n * {count}.0 / (now() - t) / 1e9);')
+    out.append("  return (int)(x & 1) * 0;\n}\n")
+    return "\n".join(out)
+
+
+def run(iters: int, cpus: list[int]) -> list[dict[str, float]]:
+    """Per CPU: the clock (GHz) and each mix's instructions per second (G/s)."""
+    with tempfile.TemporaryDirectory(prefix="qcompile-ports-") as tmp:
+        src, exe = Path(tmp) / "ports.c", Path(tmp) / "ports"
+        src.write_text(source())
+        subprocess.run(["gcc", "-O2", "-mavx512f", "-mavx512bw", "-mavx512vnni", str(src), "-o",
+                        str(exe)], check=True)
+        procs = [subprocess.Popen([str(exe), str(iters), str(c)], stdout=subprocess.PIPE,
+                                  text=True) for c in cpus]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    rows = []
+    for text in outs:
+        row = {}
+        for line in text.splitlines():
+            name, _, value = line.rpartition("\t") if "\t" in line else line.partition(" ")
+            row[name.strip()] = float(value)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, float]]) -> str:
+    clock = min(r["clock"] for r in rows)
+    lines = [f"clock {clock:.2f} GHz (dependent scalar adds), CPUs at once: {len(rows)}", "",
+             "| mix | instructions / cycle | cycles per step | vpdpbusd GOPS per core |",
+             "|---|---|---|---|"]
+    for name, mix in MIXES:
+        rate = min(r[name] for r in rows)                  # G instructions / s, slowest CPU
+        steps = sum(c for _, c in mix)                     # instructions per step
+        ipc = rate / clock
+        dp = sum(c for op, c in mix if op == "vpdpbusd")
+        gops = rate * dp / steps * 128 if dp else 0.0      # 64 u8 x s8 MACs each
+        lines.append(f"| {name} | {ipc:.2f} | {steps / ipc:.2f} | "
+                     f"{f'{gops:.0f}' if dp else '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=2_000_000,
+                    help="loop iterations per mix (4 steps each)")
+    ap.add_argument("--cpus", type=int, nargs="*", default=[0])
+    args = ap.parse_args()
+    print(table(run(args.iters, args.cpus)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
