@@ -3,7 +3,10 @@
 a shared library with a driver that runs every workgroup of one layer on one thread, checked bit
 for bit against numpy (qcompile's requantize) and timed (median ms and GOPS).
 
-Usage: .venv/bin/python scripts/ukernel_dw_bench.py [--shapes NAME ...] [--reps N] [--wide]
+Usage: .venv/bin/python scripts/ukernel_dw_bench.py [--source conv_vnni.c ...] [--shapes NAME ...]
+       [--reps N] [--wide]
+
+Several ``--source`` files are timed side by side (a kernel change against the committed one).
 
 Needs gcc and an AVX-512 VBMI host (the kernel's ``vpermt2b``)."""
 
@@ -124,22 +127,27 @@ def run(lib, L, reps):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--source", nargs="*", type=Path, default=[ukernel.SOURCE])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--wide", action="store_true", help="force the i64 (wide) epilogue")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        lib = build(ukernel.SOURCE, Path(tmp))
-        print("| shape | epilogue | ms | GOPS | exact |")
-        print("|---|---|---|---|---|")
+        libs = [build(s, Path(tmp)) for s in args.source]
+        print("| shape | epilogue | " + " | ".join(f"{s.name} ms (GOPS)" for s in args.source)
+              + " |")
+        print("|---" * (len(libs) + 2) + "|")
         for i, name in enumerate(args.shapes):
             L = layer(SHAPES[name], OUTPUTS[i % len(OUTPUTS)], rng, wide=args.wide)
-            y, t = run(lib, L, args.reps)
-            ms = statistics.median(t)
+            cells = []
+            for lib in libs:
+                y, t = run(lib, L, args.reps)
+                ms = statistics.median(t)
+                cells.append(f"{ms:.4f} ({2 * L['macs'] / ms / 1e6:.0f})"
+                             + ("" if np.array_equal(y, L["ref"]) else " MISMATCH"))
             epi = "narrow" if L["p"][ukernel.H_NARROW] else "wide"
-            print(f"| {name} | {epi} | {ms:.4f} | {2 * L['macs'] / ms / 1e6:.0f} | "
-                  f"{np.array_equal(y, L['ref'])} |", flush=True)
+            print(f"| {name} | {epi} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -547,10 +547,15 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     t = &tt;
   }
   const int64_t sh_row = h[H_SH] * a.row, sw_c = a.sw * c;
-  int64_t oy = p0 / ow, ox = p0 % ow;    // the next pixel's output row and column
-  // the next pixel's residual (bytes from rbase): one pixel on, and the border at a row's end
-  int64_t roff = ((oy + rpt) * owr + ox + rpl) * f * esz;
-  const int64_t rwrap = 2 * rpl * f * esz;
+  const int64_t oy = p0 / ow;             // the chunk's first output row
+  int64_t ox = p0 % ow;                   // the next pixel's output column
+  // The next pixel's window origin, output and residual (bytes from rbase): one pixel on, and
+  // at a row's end the next row's start (the output's and residual's borders stepped over).
+  const int64_t fe = f * esz;
+  const uint8_t* xp = a.x + oy * sh_row + ox * sw_c;
+  uint8_t* yp = ybase + ((oy + pt) * owp + ox + pl) * fe;
+  int64_t roff = ((oy + rpt) * owr + ox + rpl) * fe;
+  const int64_t xwrap = sh_row - ow * sw_c, ywrap = 2 * pl * fe, rwrap = 2 * rpl * fe;
   for (int64_t p = p0; p < p1; p += 6) {
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
     const uint8_t* xs[6];
@@ -559,13 +564,15 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
 #pragma GCC unroll 6
     for (int m = 0; m < 6; ++m) {
       if (m < mr) {
-        xs[m] = a.x + oy * sh_row + ox * sw_c;
-        ys[m] = ybase + ((oy + pt) * owp + ox + pl) * f * esz;
+        xs[m] = xp;
+        ys[m] = yp;
+        xp += sw_c;
+        yp += fe;
         if (e.res) {
           rs[m] = rbase + roff;
-          roff += f * esz;
+          roff += fe;
         }
-        if (++ox == ow) { ox = 0; ++oy; roff += rwrap; }
+        if (++ox == ow) { ox = 0; xp += xwrap; yp += ywrap; roff += rwrap; }
       } else {
         xs[m] = a.x;
         ys[m] = ybase;
@@ -1066,11 +1073,11 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 // AVX-512 VBMI hosts. The weights are packed per 16 channels as [KH][G][16][4] s8, G = ceil(KW /
 // 3): taps 3g..3g+2 of one kernel row of each channel in one dword (the fourth byte and taps
 // past KW zero), the operand vpdpbusd wants. For P output pixels of one output row at a time
-// (P = 6 at stride 1, 3 at stride 2), each tap group of a kernel row loads the 8 input pixels
-// from (ox · SW + 3g), and one vpermt2b per output pixel and 16 channels gathers its three taps
-// into those dwords from two registers: per 16 outputs and tap group, one vpermt2b and one
-// vpdpbusd, plus the loads. Channels go 32 at a time (pixel pairs [p, p + 1] of 32 channels
-// per register: 4 loads for 8 pixels), a last block of 16 on its own (16 channels of 4
+// (P = 4 at stride 1, 3 at stride 2), each tap group of a kernel row loads the input pixels
+// they read from (ox · SW + 3g) (up to 8), and one vpermt2b per output pixel and 16 channels
+// gathers its three taps into those dwords from two registers: per 16 outputs and tap group,
+// one vpermt2b and one vpdpbusd, plus the loads. Channels go 32 at a time (pixel pairs
+// [p, p + 1] of 32 channels per register), a last block of 16 on its own (16 channels of 4
 // pixels per register). The input is padded by its zero point (the bias holds -zp_x · sum w),
 // C a multiple of 16. One call is one output row of image n for one block of 64 channels
 // (grid (ceil(C / 64), OH, N)).
@@ -1121,13 +1128,28 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
         const int64_t* o = off[g];
         __m512i z[4];
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k)
+        for (int k = 0; k < ((P - 1) * S + 4) / 2; ++k)   // the pairs of the pixels read
           z[k] = _mm512_inserti64x4(
               _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(r + o[2 * k]))),
               _mm256_loadu_si256((const __m256i*)(r + o[2 * k + 1])), 1);
         const int8_t* wg = w + 64 * (i * groups + g);
         const __m512i w0 = _mm512_loadu_si512((const void*)wg);
         const __m512i w1 = _mm512_loadu_si512((const void*)(wg + kbytes));
+        if (S == 1) {
+          // pixels j..j+3 feed output j with the taps in bytes 0..2 and output j + 1 with
+          // the same weights one byte up: one vpermt2b for two outputs
+          const __m512i u0 = _mm512_slli_epi32(w0, 8), u1 = _mm512_slli_epi32(w1, 8);
+#pragma GCC unroll 3
+          for (int j = 0; j < P; j += 2) {
+            const __m512i v0 = _mm512_permutex2var_epi8(z[j / 2], idx[0][0], z[j / 2 + 1]);
+            const __m512i v1 = _mm512_permutex2var_epi8(z[j / 2], idx[0][1], z[j / 2 + 1]);
+            acc[j][0] = _mm512_dpbusd_epi32(acc[j][0], v0, w0);
+            acc[j][1] = _mm512_dpbusd_epi32(acc[j][1], v1, w1);
+            acc[j + 1][0] = _mm512_dpbusd_epi32(acc[j + 1][0], v0, u0);
+            acc[j + 1][1] = _mm512_dpbusd_epi32(acc[j + 1][1], v1, u1);
+          }
+          continue;
+        }
 #pragma GCC unroll 6
         for (int j = 0; j < P; ++j) {
           const int a = (j * S) >> 1, par = (j * S) & 1;
@@ -1182,6 +1204,16 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
           z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[4 * k + 3])), 3);
         }
         const __m512i wv = _mm512_loadu_si512((const void*)(w + 64 * (i * groups + g)));
+        if (S == 1) {          // one vpermt2b for two outputs, as in dw_row32
+          const __m512i uv = _mm512_slli_epi32(wv, 8);
+#pragma GCC unroll 3
+          for (int j = 0; j < P; j += 2) {
+            const __m512i v = _mm512_permutex2var_epi8(z[0], idx[j], z[1]);
+            acc[j] = _mm512_dpbusd_epi32(acc[j], v, wv);
+            acc[j + 1] = _mm512_dpbusd_epi32(acc[j + 1], v, uv);
+          }
+          continue;
+        }
 #pragma GCC unroll 6
         for (int j = 0; j < P; ++j)
           acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_permutex2var_epi8(z[0], idx[j], z[1]), wv);
@@ -1223,7 +1255,8 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
   epi_init(h, &e);
   // vpermt2b indices: byte 4 ch + t of output j's operand is tap t (pixel j·SW + t) of channel
   // ch; 16 channels: 4 pixels of 16 per register; 32: pixel pairs of 32 per register, from the
-  // pair that holds pixel j·SW (its parity picks the pattern)
+  // pair that holds pixel j·SW (its parity picks the pattern). Byte 3 (weight 0) is pixel
+  // j·SW + 3 where the two registers hold it: the second output of a stride-1 pair reads it.
   __m512i idx16[6], idx32[2][2];
   for (int j = 0; j < 6; ++j) {
     uint8_t b[64];
@@ -1239,7 +1272,7 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
       uint8_t b[64];
       for (int ch = 0; ch < 16; ++ch)
         for (int t = 0; t < 4; ++t)
-          b[4 * ch + t] = (uint8_t)(32 * (par + (t < 3 ? t : 2)) + 16 * half + ch);
+          b[4 * ch + t] = (uint8_t)(32 * (par + t < 4 ? par + t : 3) + 16 * half + ch);
       idx32[par][half] = _mm512_loadu_si512((const void*)b);
     }
   const uint8_t* x = xb + xo + (n * hp + oy * sh) * wp * c;
@@ -1259,9 +1292,9 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
     DW_ROWS(S, P, LEAN)                                                                      \
   }
   if (sw == 1 && lean) {
-    DW_KERNELS(1, 6, 1)
+    DW_KERNELS(1, 4, 1)
   } else if (sw == 1) {
-    DW_KERNELS(1, 6, 0)
+    DW_KERNELS(1, 4, 0)
   } else if (lean) {
     DW_KERNELS(2, 3, 1)
   } else {
