@@ -34,7 +34,8 @@ _spec.loader.exec_module(dwbench)
 @pytest.mark.parametrize("mode", ["narrow", "wide", "table"])
 def test_depthwise_kernel__bit_exact_with_numpy(tmp_path, mode):
     """3×3, 5×5 and 7×7 (three tap groups), strides 1 and 2, with and without padding, channels
-    in blocks of 32 and a last block of 16, widths no multiple of the step; u8 and s8 outputs
+    in blocks of 32 and a last block of 16, widths no multiple of the step, odd output heights
+    (stride 1 computes two rows at once: the last one alone); u8 and s8 outputs
     with clamps; the 32-bit lane epilogue, the i64 one forced, and a table after the
     requantize."""
     lib = dwbench.build(ukernel.SOURCE, tmp_path)

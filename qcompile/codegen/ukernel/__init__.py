@@ -145,8 +145,8 @@ class ConvShape:
     def chunk(self) -> int:
         """Output pixels per workgroup (flattened over the output rows): about one row's
         worth, a multiple of the kernel's 6-pixel tile, so that a row whose width is no multiple
-        of 6 does not end in a short tile; a depthwise conv's is one output row."""
-        return self.ow if self.depthwise else 6 * -(-self.ow // 6)
+        of 6 does not end in a short tile; a depthwise conv's is two output rows."""
+        return 2 * self.ow if self.depthwise else 6 * -(-self.ow // 6)
 
     @property
     def chunks(self) -> int:

@@ -1078,9 +1078,10 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 // gathers its three taps into those dwords from two registers: per 16 outputs and tap group,
 // one vpermt2b and one vpdpbusd, plus the loads. Channels go 32 at a time (pixel pairs
 // [p, p + 1] of 32 channels per register), a last block of 16 on its own (16 channels of 4
-// pixels per register). The input is padded by its zero point (the bias holds -zp_x · sum w),
-// C a multiple of 16. One call is one output row of image n for one block of 64 channels
-// (grid (ceil(C / 64), OH, N)).
+// pixels per register). At stride 1 two output rows go together, each input row permuted
+// once for both (dw_pair32). The input is padded by its zero point (the bias holds
+// -zp_x · sum w), C a multiple of 16. One call is two output rows of image n for one block of
+// 64 channels (grid (ceil(C / 64), ceil(OH / 2), N)).
 #define DW_INLINE static inline __attribute__((always_inline, target("avx512vbmi")))
 
 // 16 channels of one pixel, stored alone (the lean epilogue of a one-group row packs instead)
@@ -1104,6 +1105,28 @@ DW_INLINE void dw_offsets(int64_t off[3][8], int64_t first, int64_t groups, int6
       const int64_t px = first + 3 * g + t;
       off[g][t] = (px < wp - 1 ? px : wp - 1) * c;
     }
+}
+
+// 32 channels of one output pixel
+DW_INLINE void dw_out32(__m512i a0, __m512i a1, const rq_regs* q0, const rq_regs* q1,
+                        const pack_regs* pk, const epi_args* e, int64_t c0, uint8_t* y,
+                        int64_t groups, const int lean) {
+  if (lean && groups == 1) {     // (wider kernels run short of registers for the packs)
+    const __m512i v[2] = {rq16_lean(a0, q0, 0, 0xFFFF, LEAN), rq16_lean(a1, q1, 0, 0xFFFF, LEAN)};
+    store_packed(v, 2, pk, y, 32);
+    return;
+  }
+  dw_store(a0, q0, e, c0, y, lean);
+  dw_store(a1, q1, e, c0 + 16, y + 16, lean);
+}
+
+// 16 channels of one output pixel
+DW_INLINE void dw_out16(__m512i a, const rq_regs* q, const pack_regs* pk, const epi_args* e,
+                        int64_t c0, uint8_t* y, int64_t groups, const int lean) {
+  if (lean && groups == 1)
+    store_packed((__m512i[1]){rq16_lean(a, q, 0, 0xFFFF, LEAN)}, 1, pk, y, 16);
+  else
+    dw_store(a, q, e, c0, y, lean);
 }
 
 // one output row, 32 channels from c0 (x, y and w at those channels)
@@ -1163,16 +1186,137 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
 #pragma GCC unroll 6
     for (int j = 0; j < P; ++j) {
       if (ox + j >= ow) break;
-      uint8_t* yp = y + (ox + j) * f;
-      if (lean && groups == 1) {     // (wider kernels run short of registers for the packs)
-        const __m512i v[2] = {rq16_lean(acc[j][0], &q0, 0, 0xFFFF, LEAN),
-                              rq16_lean(acc[j][1], &q1, 0, 0xFFFF, LEAN)};
-        store_packed(v, 2, &pk, yp, 32);
-        continue;
-      }
-      dw_store(acc[j][0], &q0, e, c0, yp, lean);
-      dw_store(acc[j][1], &q1, e, c0 + 16, yp + 16, lean);
+      dw_out32(acc[j][0], acc[j][1], &q0, &q1, &pk, e, c0, y + (ox + j) * f, groups, lean);
     }
+  }
+}
+
+// The weights of kernel rows and tap groups (i · groups + g), per 16-channel half: as packed
+// (the first output of a stride-1 pixel pair) and one byte up (the second: its taps are bytes
+// 1..3 of the pair's operand)
+#define DW_MAX_ROWS 27
+typedef struct {
+  __m512i w[DW_MAX_ROWS][2][2];    // [kernel row, tap group][half][as packed, one byte up]
+} dw_weights;
+
+DW_INLINE void dw_weights_at(dw_weights* t, const int8_t* w, int64_t kbytes, int64_t rows,
+                             int halves) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int h = 0; h < halves; ++h) {
+      const __m512i v = _mm512_loadu_si512((const void*)(w + h * kbytes + 64 * i));
+      t->w[i][h][0] = v;
+      t->w[i][h][1] = _mm512_slli_epi32(v, 8);
+    }
+}
+
+// Two output rows at stride 1 (the input row pitch `row` apart, outputs yrow apart), 32
+// channels from c0: input row t is read and permuted once for both, as kernel row t of the
+// first output row and t - 1 of the second. Four outputs of each row at a time.
+DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, int64_t groups,
+                         int64_t wp, int64_t ow, const dw_weights* wt, const __m512i idx[2][2],
+                         const epi_args* e, int64_t c0, uint8_t* y, int64_t yrow, int64_t f,
+                         const int lean) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i init0 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0)) : zero;
+  const __m512i init1 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0 + 16)) : zero;
+  const rq_regs q0 = rq_at(e, c0), q1 = rq_at(e, c0 + 16);
+  const pack_regs pk = pack_at(e);
+  for (int64_t ox = 0; ox < ow; ox += 4) {
+    int64_t off[3][8];
+    dw_offsets(off, ox, groups, wp, c);
+    __m512i acc[2][4][2];
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) { acc[r][j][0] = init0; acc[r][j][1] = init1; }
+    for (int64_t t = 0; t <= kh; ++t) {
+      const uint8_t* rp = x + t * row;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t* o = off[g];
+        __m512i z[3];
+#pragma GCC unroll 3
+        for (int k = 0; k < 3; ++k)
+          z[k] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(rp + o[2 * k]))),
+              _mm256_loadu_si256((const __m256i*)(rp + o[2 * k + 1])), 1);
+#pragma GCC unroll 2
+        for (int j = 0; j < 4; j += 2) {
+          const __m512i v0 = _mm512_permutex2var_epi8(z[j / 2], idx[0][0], z[j / 2 + 1]);
+          const __m512i v1 = _mm512_permutex2var_epi8(z[j / 2], idx[0][1], z[j / 2 + 1]);
+#pragma GCC unroll 2
+          for (int r = 0; r < 2; ++r) {
+            const int64_t i = t - r;                  // this output row's kernel row
+            if (i < 0 || i >= kh) continue;
+            const __m512i(*k)[2] = wt->w[i * groups + g];
+            acc[r][j][0] = _mm512_dpbusd_epi32(acc[r][j][0], v0, k[0][0]);
+            acc[r][j][1] = _mm512_dpbusd_epi32(acc[r][j][1], v1, k[1][0]);
+            acc[r][j + 1][0] = _mm512_dpbusd_epi32(acc[r][j + 1][0], v0, k[0][1]);
+            acc[r][j + 1][1] = _mm512_dpbusd_epi32(acc[r][j + 1][1], v1, k[1][1]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        if (ox + j >= ow) break;
+        dw_out32(acc[r][j][0], acc[r][j][1], &q0, &q1, &pk, e, c0, y + r * yrow + (ox + j) * f,
+                 groups, lean);
+      }
+  }
+}
+
+// dw_pair32 for 16 channels from c0 (the last block when C is no multiple of 32)
+DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, int64_t groups,
+                         int64_t wp, int64_t ow, const dw_weights* wt, const __m512i* idx,
+                         const epi_args* e, int64_t c0, uint8_t* y, int64_t yrow, int64_t f,
+                         const int lean) {
+  const __m512i init = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0))
+                                 : _mm512_setzero_si512();
+  const rq_regs q = rq_at(e, c0);
+  const pack_regs pk = pack_at(e);
+  for (int64_t ox = 0; ox < ow; ox += 4) {
+    int64_t off[3][8];
+    dw_offsets(off, ox, groups, wp, c);
+    __m512i acc[2][4];
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = init;
+    for (int64_t t = 0; t <= kh; ++t) {
+      const uint8_t* rp = x + t * row;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t* o = off[g];
+        __m512i z[2];
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; ++k) {
+          __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(rp + o[4 * k])));
+          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(rp + o[4 * k + 1])), 1);
+          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(rp + o[4 * k + 2])), 2);
+          z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(rp + o[4 * k + 3])), 3);
+        }
+#pragma GCC unroll 2
+        for (int j = 0; j < 4; j += 2) {
+          const __m512i v = _mm512_permutex2var_epi8(z[0], idx[j], z[1]);
+#pragma GCC unroll 2
+          for (int r = 0; r < 2; ++r) {
+            const int64_t i = t - r;
+            if (i < 0 || i >= kh) continue;
+            const __m512i(*k)[2] = wt->w[i * groups + g];
+            acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], v, k[0][0]);
+            acc[r][j + 1] = _mm512_dpbusd_epi32(acc[r][j + 1], v, k[0][1]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        if (ox + j >= ow) break;
+        dw_out16(acc[r][j], &q, &pk, e, c0, y + r * yrow + (ox + j) * f, groups, lean);
+      }
   }
 }
 
@@ -1222,30 +1366,95 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
 #pragma GCC unroll 6
     for (int j = 0; j < P; ++j) {
       if (ox + j >= ow) break;
-      if (lean && groups == 1)
-        store_packed((__m512i[1]){rq16_lean(acc[j], &q, 0, 0xFFFF, LEAN)}, 1, &pk,
-                     y + (ox + j) * f, 16);
-      else
-        dw_store(acc[j], &q, e, c0, y + (ox + j) * f, lean);   // C: a multiple of 16
+      dw_out16(acc[j], &q, &pk, e, c0, y + (ox + j) * f, groups, lean);   // C: a multiple of 16
     }
   }
 }
 
+// What one call's variants read (qk_dwconv_u8s8 sets it up)
+typedef struct {
+  const uint8_t* x;        // the first output row's input rows
+  uint8_t* y;              // the first output row
+  const int8_t* w;         // the packed weights (all channels)
+  const epi_args* e;
+  const __m512i* idx16;    // [6]
+  const __m512i (*idx32)[2];
+  int64_t c, wp, ow, f, kh, groups, kbytes, cb, ce;
+} dw_call;
+
+#define DW_UNPACK(d)                                                                         \
+  const uint8_t* x = (d)->x;                                                                 \
+  uint8_t* y = (d)->y;                                                                       \
+  const epi_args* e = (d)->e;                                                                \
+  const int64_t c = (d)->c, wp = (d)->wp, ow = (d)->ow, f = (d)->f, kbytes = (d)->kbytes;    \
+  const int64_t cb = (d)->cb, ce = (d)->ce;                                                  \
+  (void)kbytes
+
+#define DW_PAIRS(LEAN)                                                                       \
+  for (int64_t c0 = cb; c0 < ce; c0 += 32) {                                                 \
+    const int halves = c0 + 32 <= ce ? 2 : 1;                                                \
+    dw_weights_at(&wt, d->w + (c0 >> 4) * kbytes, kbytes, kh * groups, halves);              \
+    if (halves == 2)                                                                         \
+      dw_pair32(x + c0, c, wp * c, kh, groups, wp, ow, &wt, d->idx32, e, c0, y + c0, ow * f, \
+                f, LEAN);                                                                    \
+    else                                                                                     \
+      dw_pair16(x + c0, c, wp * c, kh, groups, wp, ow, &wt, d->idx16, e, c0, y + c0, ow * f, \
+                f, LEAN);                                                                    \
+  }
+
 #define DW_ROWS(S, P, LEAN)                                                                  \
   for (int64_t c0 = cb; c0 < ce; c0 += 32) {                                                 \
-    const int8_t* w = wb + wo + (c0 >> 4) * kbytes;                                          \
+    const int8_t* w = d->w + (c0 >> 4) * kbytes;                                             \
     if (c0 + 32 <= ce)                                                                       \
-      dw_row32(x + c0, c, wp * c, kh, groups, wp, ow, w, kbytes, idx32, &e, c0, y + c0, f,   \
+      dw_row32(x + c0, c, wp * c, kh, groups, wp, ow, w, kbytes, d->idx32, e, c0, y + c0, f, \
                S, P, LEAN);                                                                  \
     else                                                                                     \
-      dw_row16(x + c0, c, wp * c, kh, groups, wp, ow, w, idx16, &e, c0, y + c0, f, S, P,     \
+      dw_row16(x + c0, c, wp * c, kh, groups, wp, ow, w, d->idx16, e, c0, y + c0, f, S, P,   \
                LEAN);                                                                        \
   }
+
+// the common kernels with their loop counts known (3x3, 5x5), the rest generic
+#define DW_KERNELS(ROWS, ...)                                                                \
+  if (d->kh == 3 && d->groups == 1) {                                                        \
+    const int64_t kh = 3, groups = 1;                                                        \
+    ROWS(__VA_ARGS__)                                                                        \
+  } else if (d->kh == 5 && d->groups == 2) {                                                 \
+    const int64_t kh = 5, groups = 2;                                                        \
+    ROWS(__VA_ARGS__)                                                                        \
+  } else {                                                                                   \
+    const int64_t kh = d->kh, groups = d->groups;                                            \
+    ROWS(__VA_ARGS__)                                                                        \
+  }
+
+// each variant a function of its own (one function holding them all compiles worse)
+#define DW_VARIANT(NAME, ROWS, ...)                                                          \
+  __attribute__((noinline, target("avx512vbmi"))) static void NAME(const dw_call* d) {      \
+    DW_UNPACK(d);                                                                            \
+    DW_KERNELS(ROWS, __VA_ARGS__)                                                            \
+  }
+#define DW_PAIR_VARIANT(NAME, LEAN)                                                          \
+  __attribute__((noinline, target("avx512vbmi"))) static void NAME(const dw_call* d) {      \
+    DW_UNPACK(d);                                                                            \
+    dw_weights wt;                                                                           \
+    if (d->kh == 3 && d->groups == 1) {                                                      \
+      const int64_t kh = 3, groups = 1;                                                      \
+      DW_PAIRS(LEAN)                                                                         \
+    } else {          /* (5x5 with its loop counts known compiled slower: spills) */      \
+      const int64_t kh = d->kh, groups = d->groups;                                          \
+      DW_PAIRS(LEAN)                                                                         \
+    }                                                                                        \
+  }
+DW_VARIANT(dw_s1_lean, DW_ROWS, 1, 4, 1)
+DW_VARIANT(dw_s1, DW_ROWS, 1, 4, 0)
+DW_VARIANT(dw_s2_lean, DW_ROWS, 2, 3, 1)
+DW_VARIANT(dw_s2, DW_ROWS, 2, 3, 0)
+DW_PAIR_VARIANT(dw_pair_lean, 1)
+DW_PAIR_VARIANT(dw_pair, 0)
 
 __attribute__((target("avx512vbmi")))
 void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
                     const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
-                    uint8_t* yb, int64_t yo, int64_t blk, int64_t oy, int64_t n) {
+                    uint8_t* yb, int64_t yo, int64_t blk, int64_t pair, int64_t n) {
   (void)rb; (void)ro;
   const int64_t* h = pb + po;
   const int64_t hp = h[H_HP], wp = h[H_WP], c = h[H_C], kh = h[H_KH], kw = h[H_KW];
@@ -1275,30 +1484,28 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
           b[4 * ch + t] = (uint8_t)(32 * (par + t < 4 ? par + t : 3) + 16 * half + ch);
       idx32[par][half] = _mm512_loadu_si512((const void*)b);
     }
-  const uint8_t* x = xb + xo + (n * hp + oy * sh) * wp * c;
-  uint8_t* y = yb + yo + (n * ohn + oy) * ow * f;
-  const int64_t kbytes = kh * groups * 64;      // packed weights per 16 channels
-  const int64_t cb = blk * 64, ce = cb + 64 < f ? cb + 64 : f;
+  dw_call d;
+  d.w = wb + wo;
+  d.e = &e;
+  d.idx16 = idx16;
+  d.idx32 = (const __m512i(*)[2])idx32;
+  d.c = c; d.wp = wp; d.ow = ow; d.f = f; d.kh = kh; d.groups = groups;
+  d.kbytes = kh * groups * 64;                 // packed weights per 16 channels
+  d.cb = blk * 64;
+  d.ce = d.cb + 64 < f ? d.cb + 64 : f;
   const int lean = lean_mode(&e) == LEAN;      // (no residual here; the plain k = 32 form)
-  // the common kernels with their loop counts known (3x3, 5x5), the rest generic
-#define DW_KERNELS(S, P, LEAN)                                                               \
-  if (kh == 3 && groups == 1) {                                                              \
-    const int64_t kh = 3, groups = 1;                                                        \
-    DW_ROWS(S, P, LEAN)                                                                      \
-  } else if (kh == 5 && groups == 2) {                                                       \
-    const int64_t kh = 5, groups = 2;                                                        \
-    DW_ROWS(S, P, LEAN)                                                                      \
-  } else {                                                                                   \
-    DW_ROWS(S, P, LEAN)                                                                      \
+  // output rows 2 pair and 2 pair + 1 (the last of an odd OH alone): at stride 1 both at once
+  const int64_t oy = 2 * pair, rows = ohn - oy < 2 ? ohn - oy : 2;
+  if (rows == 2 && sh == 1 && sw == 1 && kh * groups <= DW_MAX_ROWS) {
+    d.x = xb + xo + (n * hp + oy) * wp * c;
+    d.y = yb + yo + (n * ohn + oy) * ow * f;
+    (lean ? dw_pair_lean : dw_pair)(&d);
+    return;
   }
-  if (sw == 1 && lean) {
-    DW_KERNELS(1, 4, 1)
-  } else if (sw == 1) {
-    DW_KERNELS(1, 4, 0)
-  } else if (lean) {
-    DW_KERNELS(2, 3, 1)
-  } else {
-    DW_KERNELS(2, 3, 0)
+  for (int64_t r = oy; r < oy + rows; ++r) {
+    d.x = xb + xo + (n * hp + r * sh) * wp * c;
+    d.y = yb + yo + (n * ohn + r) * ow * f;
+    (sw == 1 ? (lean ? dw_s1_lean : dw_s1) : (lean ? dw_s2_lean : dw_s2))(&d);
   }
 }
 
