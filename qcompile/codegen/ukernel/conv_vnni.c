@@ -128,12 +128,19 @@ INLINE void store16_lut(__m512i codes, const epi_args* e, uint8_t* y, __mmask16 
 #endif
 }
 
+// the residual bytes of 16 channels (`mask`: the real ones): a plain load where all are (a
+// masked load cost 3 % on a 3x3 conv with a residual)
+INLINE __m128i res_bytes(const uint8_t* r, __mmask16 mask) {
+  return mask == 0xFFFF ? _mm_loadu_si128((const __m128i*)r)
+                        : _mm_maskz_loadu_epi8(mask, (const void*)r);
+}
+
 // 16 channels starting at c (of which `mask` are real) of one pixel.
 INLINE void store16(__m512i acc, const epi_args* e, int64_t c, const uint8_t* r, uint8_t* y,
                     __mmask16 mask) {
   __m512i rlo = _mm512_setzero_si512(), rhi = rlo;
   if (e->res) {
-    __m128i rb = _mm_maskz_loadu_epi8(mask, (const void*)r);
+    __m128i rb = res_bytes(r, mask);
     __m512i r32 = e->res_signed ? _mm512_cvtepi8_epi32(rb) : _mm512_cvtepu8_epi32(rb);
     rlo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(r32));
     rhi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(r32, 1));
@@ -176,7 +183,7 @@ INLINE void store16_narrow(__m512i v, const epi_args* e, int64_t c, const uint8_
   __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32),
                                 _mm512_loadu_si512((const void*)(e->m0_odd + c)));
   if (e->res) {
-    __m128i rb = _mm_maskz_loadu_epi8(mask, (const void*)r);
+    __m128i rb = res_bytes(r, mask);
     __m512i r32 = e->res_signed ? _mm512_cvtepi8_epi32(rb) : _mm512_cvtepu8_epi32(rb);
     r32 = _mm512_sub_epi32(r32, _mm512_set1_epi32(e->res_zp));
     pe = _mm512_add_epi64(pe, _mm512_mul_epi32(
@@ -262,7 +269,7 @@ INLINE __m512i rq16_lean(__m512i v, const rq_regs* q, const uint8_t* r, __mmask1
   __m512i pe = _mm512_mul_epi32(v, q->m0e);
   __m512i po = _mm512_mul_epi32(_mm512_srli_epi64(v, 32), q->m0o);
   if (mode & LEAN_RES) {
-    const __m128i rb = _mm_maskz_loadu_epi8(mask, (const void*)r);
+    const __m128i rb = res_bytes(r, mask);
     __m512i r32 = q->rs ? _mm512_cvtepi8_epi32(rb) : _mm512_cvtepu8_epi32(rb);
     r32 = _mm512_sub_epi32(r32, q->rzp);
     pe = _mm512_add_epi64(pe, _mm512_mul_epi32(r32, q->m1e));
