@@ -1114,6 +1114,20 @@ DW_INLINE void dw_offsets(int64_t off[3][8], int64_t first, int64_t groups, int6
     }
 }
 
+// 32 channels of the two pixels at byte offsets o[0] and o[1] of row r (one register)
+DW_INLINE __m512i dw_pixels2x32(const uint8_t* r, const int64_t* o) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(r + o[0]))),
+                            _mm256_loadu_si256((const __m256i*)(r + o[1])), 1);
+}
+
+// 16 channels of the four pixels at byte offsets o[0..3] of row r (one register)
+DW_INLINE __m512i dw_pixels4x16(const uint8_t* r, const int64_t* o) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(r + o[0])));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[1])), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[2])), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[3])), 3);
+}
+
 // 32 channels of one output pixel
 DW_INLINE void dw_out32(__m512i a0, __m512i a1, const rq_regs* q0, const rq_regs* q1,
                         const pack_regs* pk, const epi_args* e, int64_t c0, uint8_t* y,
@@ -1159,9 +1173,7 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
         __m512i z[4];
 #pragma GCC unroll 4
         for (int k = 0; k < ((P - 1) * S + 4) / 2; ++k)   // the pairs of the pixels read
-          z[k] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(r + o[2 * k]))),
-              _mm256_loadu_si256((const __m256i*)(r + o[2 * k + 1])), 1);
+          z[k] = dw_pixels2x32(r, o + 2 * k);
         const int8_t* wg = w + 64 * (i * groups + g);
         const __m512i w0 = _mm512_loadu_si512((const void*)wg);
         const __m512i w1 = _mm512_loadu_si512((const void*)(wg + kbytes));
@@ -1243,9 +1255,7 @@ DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
         __m512i z[3];
 #pragma GCC unroll 3
         for (int k = 0; k < 3; ++k)
-          z[k] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(rp + o[2 * k]))),
-              _mm256_loadu_si256((const __m256i*)(rp + o[2 * k + 1])), 1);
+          z[k] = dw_pixels2x32(rp, o + 2 * k);
 #pragma GCC unroll 2
         for (int j = 0; j < 4; j += 2) {
           const __m512i v0 = _mm512_permutex2var_epi8(z[j / 2], idx[0][0], z[j / 2 + 1]);
@@ -1297,12 +1307,7 @@ DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
         const int64_t* o = off[g];
         __m512i z[2];
 #pragma GCC unroll 2
-        for (int k = 0; k < 2; ++k) {
-          __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(rp + o[4 * k])));
-          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(rp + o[4 * k + 1])), 1);
-          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(rp + o[4 * k + 2])), 2);
-          z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(rp + o[4 * k + 3])), 3);
-        }
+        for (int k = 0; k < 2; ++k) z[k] = dw_pixels4x16(rp, o + 4 * k);
 #pragma GCC unroll 2
         for (int j = 0; j < 4; j += 2) {
           const __m512i v = _mm512_permutex2var_epi8(z[0], idx[j], z[1]);
@@ -1348,12 +1353,7 @@ DW_INLINE void dw_row16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
         const int64_t* o = off[g];
         __m512i z[2];
 #pragma GCC unroll 2
-        for (int k = 0; k < 2; ++k) {
-          __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(r + o[4 * k])));
-          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[4 * k + 1])), 1);
-          v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[4 * k + 2])), 2);
-          z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + o[4 * k + 3])), 3);
-        }
+        for (int k = 0; k < 2; ++k) z[k] = dw_pixels4x16(r, o + 4 * k);
         const __m512i wv = _mm512_loadu_si512((const void*)(w + 64 * (i * groups + g)));
         if (S == 1) {          // one vpermt2b for two outputs, as in dw_row32
           const __m512i uv = _mm512_slli_epi32(wv, 8);
