@@ -63,6 +63,12 @@ SHAPES = {
     "5x7x16-3x3-nopad": (1, 5, 7, 16, 3, 1, 0),
     "10x10x64-7x7": (1, 10, 10, 64, 7, 1, 3),
     "11x9x80-5x5s2-pad1": (1, 11, 9, 80, 5, 2, 1),
+    # the two-row form's limits: unequal strides and more than 27 weight rows run row by row;
+    # a 10-row kernel in two rows with its loop counts unknown to the compiler
+    "9x10x32-3x3s(2,1)": (2, 9, 10, 32, 3, (2, 1), 1),
+    "9x11x48-3x3s(1,2)": (1, 9, 11, 48, 3, (1, 2), 1),
+    "13x9x32-10x9": (1, 13, 9, 32, (10, 9), 1, (4, 4)),
+    "13x9x48-10x3": (1, 13, 9, 48, (10, 3), 1, (4, 1)),
 }
 # output (zero point, qmin, qmax), cycled: u8 relu6-like, u8 clamp, s8, u8 full range
 OUTPUTS = [(0, 0, 200), (3, 3, 255), (-5, -128, 127), (100, 0, 255)]
@@ -82,29 +88,32 @@ def build(source: Path, tmp: Path, flags: tuple[str, ...] | None = None) -> ctyp
 
 
 def layer(spec, out, rng, *, wide=False, lut=False):
-    """One depthwise layer: padded u8 input, packed weights, params and the numpy result."""
+    """One depthwise layer: padded u8 input, packed weights, params and the numpy result.
+    The kernel size, stride and padding of ``spec`` are one int for both axes or (rows,
+    columns)."""
     n, h, w, c, k, s, p = spec
-    hp, wp = h + 2 * p, w + 2 * p
-    oh, ow = (hp - k) // s + 1, (wp - k) // s + 1
+    (kh, kw), (sh, sw), (ph, pw) = (v if isinstance(v, tuple) else (v, v) for v in (k, s, p))
+    hp, wp = h + 2 * ph, w + 2 * pw
+    oh, ow = (hp - kh) // sh + 1, (wp - kw) // sw + 1
     zx = 7
     x = np.full((n, hp, wp, c), zx, np.uint8)
-    x[:, p:p + h, p:p + w] = rng.integers(0, 256, (n, h, w, c), dtype=np.uint8)
-    wv = rng.integers(-128, 128, (c, k, k), dtype=np.int8)
+    x[:, ph:ph + h, pw:pw + w] = rng.integers(0, 256, (n, h, w, c), dtype=np.uint8)
+    wv = rng.integers(-128, 128, (c, kh, kw), dtype=np.int8)
     bias = rng.integers(-3000, 3000, c).astype(np.int64) - zx * wv.reshape(c, -1).astype(
         np.int64).sum(1)
     real = rng.uniform(2e-3, 2e-2, c)
     m0 = np.asarray([int(round(r * 2.0 ** (30 - np.frexp(r)[1] + 1))) for r in real], np.int64)
     shift = np.asarray([31 - np.frexp(r)[1] for r in real], np.int64)
-    shp = ukernel.ConvShape(n, hp, wp, c, c, k, k, s, s, 1, 1, oh, ow, depthwise=True)
+    shp = ukernel.ConvShape(n, hp, wp, c, c, kh, kw, sh, sw, 1, 1, oh, ow, depthwise=True)
     zout, qmin, qmax = out
     lo = -128 if qmax <= 127 else 0
     table = rng.integers(lo, lo + 256, 256).astype(np.int64) if lut else None
     params = ukernel.pack_params(shp, bias, m0, shift, zout, qmin, qmax,
                                  acc_bound=2**31 if wide else None, lut=table, lut_lo=lo)
     acc = np.zeros((n, oh, ow, c), np.int64)
-    for i in range(k):
-        for j in range(k):
-            acc += x[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s].astype(
+    for i in range(kh):
+        for j in range(kw):
+            acc += x[:, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw].astype(
                 np.int64) * wv[:, i, j].astype(np.int64)
     t = (acc + bias) * m0
     ref = np.clip(((t + (np.int64(1) << (shift - 1))) >> shift) + zout, qmin, qmax)
@@ -112,7 +121,7 @@ def layer(spec, out, rng, *, wide=False, lut=False):
         ref = table[ref - lo]
     ref = ref.astype(np.int64).astype(np.uint8)
     return dict(x=x, w=ukernel.pack_dw_weights(wv), p=params, shp=shp, ref=ref,
-                macs=n * oh * ow * c * k * k)
+                macs=n * oh * ow * c * kh * kw)
 
 
 def run(lib, L, reps):
