@@ -1081,12 +1081,13 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 // 3): taps 3g..3g+2 of one kernel row of each channel in one dword (the fourth byte and taps
 // past KW zero), the operand vpdpbusd wants. For P output pixels of one output row at a time
 // (P = 4 at stride 1, 3 at stride 2), each tap group of a kernel row loads the input pixels
-// they read from (ox · SW + 3g) (up to 8), and one vpermt2b per output pixel and 16 channels
-// gathers its three taps into those dwords from two registers: per 16 outputs and tap group,
-// one vpermt2b and one vpdpbusd, plus the loads. Channels go 32 at a time (pixel pairs
-// [p, p + 1] of 32 channels per register), a last block of 16 on its own (16 channels of 4
-// pixels per register). At stride 1 two output rows go together, each input row permuted
-// once for both (dw_pair32). The input is padded by its zero point (the bias holds
+// they read from (ox · SW + 3g) (up to 8), and a vpermt2b per 16 channels gathers the taps
+// into those dwords from two registers: at stride 2 one per output pixel, at stride 1 one per
+// two (pixels j..j+3: bytes 0..2 for output j, 1..3 with the weights one byte up for j + 1).
+// Per 16 outputs and tap group: one vpdpbusd, one or half a vpermt2b, and the loads.
+// Channels go 32 at a time (pixel pairs [p, p + 1] of 32 channels per register), a last block
+// of 16 on its own (16 channels of 4 pixels per register). At stride 1 two output rows go
+// together, each input row permuted once for both (dw_pair32). The input is padded by its zero point (the bias holds
 // -zp_x · sum w), C a multiple of 16. One call is two output rows of image n for one block of
 // 64 channels (grid (ceil(C / 64), ceil(OH / 2), N)).
 #define DW_INLINE static inline __attribute__((always_inline, target("avx512vbmi")))
