@@ -51,7 +51,8 @@ def test_pool__every_item_of_every_dispatch_once():
 
     cb = BODY(body)
     try:
-        for n in [0, 1, 2, 3, 7, 64, 1, 100, 5] * 4:
+        # (runs of items per claim: every length from 1 item to a large dispatch)
+        for n in [0, 1, 2, 3, 7, 64, 1, 100, 5, 1000, 4097] * 4:
             seen.clear()
             lib.qk_pool_run(p, n, cb, None)
             assert sorted(seen) == list(range(n))

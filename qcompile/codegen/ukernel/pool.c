@@ -7,7 +7,11 @@
 // wake-up per dispatch, which is what IREE's task system pays), then sleep on a futex.
 //
 // Claiming is one compare-and-swap on a 64-bit ticket (generation, front, back): the caller
-// takes items from the front, the helpers from the back, until the two meet. The kernels order
+// takes items from the front, the helpers from the back, until the two meet. A claim takes a
+// run of items, 1/(4 T) of those left for T threads (at least one), so a dispatch of n items
+// costs O(T log n) claims, not n: each claim, and each count of finished items, moves a cache
+// line between cores (about 0.1 us, against 0.3-1 us of work per item in the small layers of
+// mobilenet_v2). The runs shrink towards the end, which keeps the threads' finishes close. The kernels order
 // their workgroups by pixels (channel blocks fastest), so each thread keeps to its own part of
 // the image from layer to layer and mostly reads what it wrote itself, from its own cache. A
 // helper still leaving dispatch g can never claim an item of dispatch g + 1 by mistake: the
@@ -54,17 +58,26 @@ static int64_t now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-// claim and run items of generation `gen` (from the front, or from the back) until none is
-// left or the ticket has moved on to another generation
+// claim and run runs of items of generation `gen` (from the front, or from the back) until
+// none is left or the ticket has moved on to another generation
 static void work(qk_pool* p, uint64_t gen, int back) {
+  const uint64_t share = 4 * (uint64_t)(p->helpers + 1);
   uint64_t t = atomic_load_explicit(&p->ticket, memory_order_acquire);
   for (;;) {
     if (GEN(t) != gen || FRONT(t) >= BACK(t)) return;
-    const uint64_t next = back ? t - 1 : t + ((uint64_t)1 << 24);
+    const uint64_t left = BACK(t) - FRONT(t);
+    const uint64_t k = left > share ? left / share : 1;
+    const uint64_t next = back ? t - k : t + (k << 24);
     if (atomic_compare_exchange_weak_explicit(&p->ticket, &t, next, memory_order_acq_rel,
                                               memory_order_acquire)) {
-      p->fn(p->arg, (int64_t)(back ? BACK(t) - 1 : FRONT(t)));
-      atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+      // the generation matched: fn and arg are this dispatch's (stored before the ticket)
+      const qk_body fn = p->fn;
+      void* const arg = p->arg;
+      if (back)
+        for (int64_t i = (int64_t)BACK(t) - 1; i >= (int64_t)(BACK(t) - k); --i) fn(arg, i);
+      else
+        for (int64_t i = (int64_t)FRONT(t); i < (int64_t)(FRONT(t) + k); ++i) fn(arg, i);
+      atomic_fetch_add_explicit(&p->done, (int64_t)k, memory_order_release);
       t = atomic_load_explicit(&p->ticket, memory_order_acquire);
     }
   }
