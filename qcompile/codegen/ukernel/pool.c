@@ -11,11 +11,11 @@
 // run of items, 1/(4 T) of those left for T threads (at least one), so a dispatch of n items
 // costs O(T log n) claims, not n: each claim, and each count of finished items, moves a cache
 // line between cores (about 0.1 us, against 0.3-1 us of work per item in the small layers of
-// mobilenet_v2). The runs shrink towards the end, which keeps the threads' finishes close. The kernels order
-// their workgroups by pixels (channel blocks fastest), so each thread keeps to its own part of
-// the image from layer to layer and mostly reads what it wrote itself, from its own cache. A
-// helper still leaving dispatch g can never claim an item of dispatch g + 1 by mistake: the
-// generation in the ticket must match. The caller returns when every item is done.
+// mobilenet_v2). The runs shrink towards the end, which keeps the threads' finishes close.
+// The kernels order their workgroups by pixels (channel blocks fastest), so each thread keeps
+// to its own part of the image from layer to layer and mostly reads what it wrote itself, from
+// its own cache. A helper still leaving dispatch g can never claim an item of dispatch g + 1 by
+// mistake: the generation in the ticket must match. The caller returns when every item is done.
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <pthread.h>
