@@ -219,6 +219,27 @@ def test_stock_requant__narrow_form_bit_exact_at_extreme_values(shift_floor):
     np.testing.assert_array_equal(got, interpreter.run(g, *inputs)[0])
 
 
+def test_module__direct_call_equals_the_runtime_invoker():
+    """Host modules are called on the VM directly (Module._call_direct): the same outputs as
+    the runtime's generic invoker, as arrays of their own, on both host drivers. A dtype IREE
+    has no element type for is a ValueError."""
+    g, _, inputs = _extreme_depthwise(40)
+    text = emit_module(g).operation.get_asm()
+    vmfb = iree_cpu.try_compile(text, (*iree_cpu.TARGET_FLAGS, *iree_cpu.FAST_FLAGS))
+    for driver in ("local-task", "local-sync"):
+        m = iree_cpu.Module(vmfb, driver)
+        args = (inputs[0].view(np.int8), inputs[1])
+        direct = m(*args)
+        vm, m._vm = m._vm, None
+        generic = m(*args)
+        m._vm = vm
+        assert len(direct) == len(generic) == 1
+        np.testing.assert_array_equal(direct[0], generic[0])
+        assert direct[0].dtype == generic[0].dtype and direct[0].flags.owndata
+        with pytest.raises(ValueError, match="no IREE element type"):
+            m._copy_in(np.array([object()]))
+
+
 def test_shard_size__even_shards_of_at_least_four():
     assert cpu.shard_size(8, 2) == 4
     assert cpu.shard_size(16, 2) == 8

@@ -275,6 +275,43 @@ class CpuRunner:
         outs = [spec.to_torch(r) for spec, r in zip(self.outputs, raw, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def plain_call(self, signature: Sequence[Any]) -> Callable[[tuple[Any, ...]], Any] | None:
+        """The call :class:`~qcompile.runtime.compiled.CompiledModel` makes for inputs that
+        plainly fit ``signature``: each a ``torch.Tensor`` (not a subclass) on the CPU, dense
+        and contiguous, of the compiled dtype and shape, all of one batch size that has a module
+        of its own and never runs as shards (below ``2 * SHARD_MIN``). Those go straight to
+        the module; anything else answers NotImplemented (the full path then checks it). None
+        (no plain call) for token models with several sequence lengths, and where a float
+        input is not checked for NaN and infinity by the kernels."""
+        if any(s.seq_lens for s in signature) or (
+                any(s.dtype.is_floating_point for s in signature) and not self.checks_finite):
+            return None
+        whole = {b: m for b, m in self.modules.items() if b < 2 * SHARD_MIN}
+        dims = [(s.dtype, torch.Size(s.shape)) for s in signature]
+        outputs, count = self.outputs, len(signature)
+        strided, tensor = torch.strided, torch.Tensor
+
+        def call(inputs: tuple[Any, ...]) -> Any:
+            if len(inputs) != count:
+                return NotImplemented
+            arrays = []
+            batch = None
+            for x, (dtype, shape) in zip(inputs, dims, strict=True):
+                if type(x) is not tensor or x.layout is not strided or x.is_nested or \
+                        not x.is_cpu or x.dtype is not dtype or x.shape[1:] != shape or \
+                        not x.is_contiguous() or (batch is not None and x.shape[0] != batch):
+                    return NotImplemented
+                batch = x.shape[0]
+                arrays.append(x.detach().numpy())
+            module = whole.get(batch)
+            if module is None:
+                return NotImplemented
+            raw = module.module()(*arrays)
+            outs = [spec.to_torch(r) for spec, r in zip(outputs, raw, strict=True)]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+        return call
+
 
 def build(graphs: dict[int, Graph], *, keep_dir: str | Path | None = None,
           ukernel_convs: bool | None = None) -> tuple[CpuRunner, dict[str, Any]]:

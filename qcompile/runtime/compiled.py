@@ -45,8 +45,27 @@ class CompiledModel:
     signature: tuple[InputSignature, ...]
     runner: Callable[..., Any]
     report: dict[str, Any] = field(default_factory=dict)
+    # the runner's call for inputs that plainly fit (made on the first call; see __call__)
+    _plain: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        # A runner may offer a call for inputs that plainly fit the signature (``plain_call``:
+        # dense contiguous CPU tensors of the compiled dtype, shape and a batch it runs whole),
+        # which skips the steps below; it answers NotImplemented for anything else, which then
+        # takes the full path, with its checks and errors. After the kernels ran, each Python
+        # step here misses the caches: the full path costs about 50 µs a call.
+        plain = self._plain
+        if plain is None:
+            make = getattr(self.runner, "plain_call", None)
+            plain = self._plain = (make(self.signature) if make else None) or False
+        if plain:
+            try:
+                out = plain(inputs)
+            except NonFiniteInput:
+                self.check_inputs(inputs)
+                raise
+            if out is not NotImplemented:
+                return out
         # a runner whose kernels see every float input checks them for NaN and infinity on
         # the way (no pass over the inputs here); the error then names where, as below
         in_kernel = bool(getattr(self.runner, "checks_finite", False))

@@ -122,6 +122,29 @@ def test_odd_layouts__same_results_as_contiguous(request, source, case_id, make)
     tally.case("run-time input cases", f"layout {case_id}")
 
 
+@pytest.mark.parametrize("source", ["compiled", "loaded"])
+def test_plain_call__takes_plain_inputs_and_leaves_the_rest_to_the_full_path(request, source):
+    """Dense contiguous float32 tensors of a batch with a module of its own go straight to the
+    module (CpuRunner.plain_call), with the full path's results; anything else is answered
+    NotImplemented, so that the full path checks it (and raises its errors)."""
+    model = request.getfixturevalue(source)
+    model(X)
+    plain = model._plain
+    assert callable(plain)
+    for x in (X, X[:1], _inference(X), X.clone().requires_grad_()):
+        got = plain((x,))
+        assert got is not NotImplemented
+        assert torch.equal(got, model.runner(x.detach()))
+    others = [(), (X, X), (X.double(),), (X[:, :, :7],), (X.permute(0, 1, 3, 2),),
+              (torch.nn.Parameter(X.clone()),), (X.numpy(),), (None,), (X[:0],),
+              (torch.cat([X, X[:1]]),), (X.to_sparse(),),
+              (torch.nested.nested_tensor([X[0], X[1]]),),
+              (torch.empty(2, 3, 8, 8, device="meta"),)]
+    for args in others:
+        assert plain(args) is NotImplemented, args
+    tally.case("run-time input cases", f"plain call ({source})")
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64])
 def test_any_batch_up_to_max__equals_sample_by_sample(compiled, n):
     x = torch.randn(n, 3, 8, 8, generator=torch.Generator().manual_seed(n))
