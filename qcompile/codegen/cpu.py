@@ -271,7 +271,10 @@ class CpuRunner:
         return [np.concatenate(p) for p in zip(*parts, strict=True)]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        raw = self.run_numpy(*[x.detach().contiguous().numpy() for x in inputs])
+        return self._to_torch(self.run_numpy(*[x.detach().contiguous().numpy() for x in inputs]))
+
+    def _to_torch(self, raw: Sequence[np.ndarray]) -> Any:
+        """The modules' outputs as torch tensors: one tensor, or a tuple for several."""
         outs = [spec.to_torch(r) for spec, r in zip(self.outputs, raw, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -288,8 +291,7 @@ class CpuRunner:
             return None
         whole = {b: m for b, m in self.modules.items() if b < 2 * SHARD_MIN}
         dims = [(s.dtype, torch.Size(s.shape)) for s in signature]
-        outputs, count = self.outputs, len(signature)
-        strided, tensor = torch.strided, torch.Tensor
+        count, strided, tensor = len(signature), torch.strided, torch.Tensor
 
         def call(inputs: tuple[Any, ...]) -> Any:
             if len(inputs) != count:
@@ -306,9 +308,7 @@ class CpuRunner:
             module = whole.get(batch)
             if module is None:
                 return NotImplemented
-            raw = module.module()(*arrays)
-            outs = [spec.to_torch(r) for spec, r in zip(outputs, raw, strict=True)]
-            return outs[0] if len(outs) == 1 else tuple(outs)
+            return self._to_torch(module.module()(*arrays))
 
         return call
 

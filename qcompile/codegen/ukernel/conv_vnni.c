@@ -1087,9 +1087,9 @@ void qk_attention_u8(const uint8_t* qb, int64_t qo, const uint8_t* kb, int64_t k
 // Per 16 outputs and tap group: one vpdpbusd, one or half a vpermt2b, and the loads.
 // Channels go 32 at a time (pixel pairs [p, p + 1] of 32 channels per register), a last block
 // of 16 on its own (16 channels of 4 pixels per register). At stride 1 two output rows go
-// together, each input row permuted once for both (dw_pair32). The input is padded by its zero point (the bias holds
-// -zp_x · sum w), C a multiple of 16. One call is two output rows of image n for one block of
-// 64 channels (grid (ceil(C / 64), ceil(OH / 2), N)).
+// together, each input row permuted once for both (dw_pair32). The input is padded by its zero
+// point (the bias holds -zp_x · sum w), C a multiple of 16. One call is two output rows of
+// image n for one block of 64 channels (grid (ceil(C / 64), ceil(OH / 2), N)).
 #define DW_INLINE static inline __attribute__((always_inline, target("avx512vbmi")))
 
 // 16 channels of one pixel, stored alone (the lean epilogue of a one-group row packs instead)
