@@ -3,6 +3,8 @@ same model and calibration data and compute the model: their outputs track the f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -34,3 +36,19 @@ def test_ort_int8_peers__track_the_float_model(name, tmp_path):
     assert got.shape == want.shape and cos > 0.99, cos
     assert (tmp_path / ("model_int8.onnx" if name == "ort_int8" else
                         "model_int8_dynamic.onnx")).exists()
+
+
+def test_bench_run__reports_and_leaves_no_files_behind(tmp_path, monkeypatch):
+    from qcompile.bench.suite import run_bench
+    from qcompile.recipe import load_recipe
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "digits_cnn.yaml")
+    report = run_bench(recipe, peers=["ort_int8"], batch_sizes=[1], repeats=3, warmup=1,
+                       quiet_wait_s=0, profile=False, progress=False)
+    assert report["engines"]["ort_int8"]["status"] == "ok"
+    assert report["engines"]["qcompile"]["status"] == "ok"
+    assert report["summary"]["batch_1"]["best_int8_peer"] == "ort_int8"
+    assert list(scratch.iterdir()) == []        # the ONNX files went with the run

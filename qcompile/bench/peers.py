@@ -8,8 +8,6 @@ IREE's task system are all sized to the machine's cores (``threads()``).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,7 +166,3 @@ BUILDERS: dict[str, Callable[[Context], Call]] = {
     "ort_int8_dynamic": ort_int8_dynamic, "iree_qdq": iree_qdq, "qcompile": qcompile_cpu,
     "qcompile_stock": qcompile_stock,
 }
-
-
-def workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="qcompile-bench-", dir=os.environ.get("TMPDIR")))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from qcompile.bench.latency import median_ms
-from qcompile.bench.peers import BUILDERS, Context, PeerUnavailable, threads, workdir
+from qcompile.bench.peers import BUILDERS, Context, PeerUnavailable, threads
 from qcompile.ir.graph import Graph, Op
 from qcompile.recipe import Recipe
 
@@ -103,21 +104,33 @@ def run_bench(recipe: Recipe, *, peers: list[str] | None = None,
               warmup: int | None = None, quiet_wait_s: float = 60.0, profile: bool = True,
               progress: bool = True) -> dict[str, Any]:
     from qcompile.frontend.quantize import QuantizeConfig, quantize
-    from qcompile.pipeline import build_model, calibration_batches, versions
+    from qcompile.pipeline import build_model, calibration_batches
 
     bench = recipe.benchmark
     sizes = tuple(batch_sizes or bench.batch_sizes)
     mut = build_model(recipe)
     calib = list(calibration_batches(recipe, mut))   # every batch: the benchmark inputs
     q = quantize(mut.module, mut.example_inputs(), calib, QuantizeConfig.from_recipe(recipe))
-    ctx = Context(mut.module, q, [b.inputs for b in calib], sizes, tuple(mut.spec.names),
-                  workdir())
-    names = list(peers or bench.peers)
+    # The peers' files (ONNX models, ~150 MB for resnet50) live only as long as the run.
+    with tempfile.TemporaryDirectory(prefix="qcompile-bench-",
+                                     dir=os.environ.get("TMPDIR")) as tmp:
+        ctx = Context(mut.module, q, [b.inputs for b in calib], sizes, tuple(mut.spec.names),
+                      Path(tmp))
+        return _run(recipe, mut, ctx, list(peers or bench.peers), warmup, repeats, quiet_wait_s,
+                    profile, progress)
+
+
+def _run(recipe: Recipe, mut: Any, ctx: Context, names: list[str], warmup: int | None,
+         repeats: int | None, quiet_wait_s: float, profile: bool,
+         progress: bool) -> dict[str, Any]:
+    from qcompile.pipeline import versions
+
+    bench = recipe.benchmark
     if "qcompile" not in names:
         names.append("qcompile")
     engines, info = build_engines(ctx, names, progress)
     results = []
-    for b in sizes:
+    for b in ctx.batch_sizes:
         load = wait_quiet(quiet_wait_s)
         ceiling = int8_ceiling_gops()
         x = _inputs(ctx.calibration, b)
