@@ -125,6 +125,47 @@ def test_pooled_module__bit_exact_with_reference(pooled, quantized, monkeypatch)
 
 
 @needs_vnni
+def test_pooled_module__takes_its_storage_and_returns_results_of_its_own(pooled, quantized,
+                                                                         monkeypatch):
+    """A pooled module's main takes the storage of its result and of its transients (made once
+    per loaded module): results of one call stay as they were through the next call."""
+    import iree.runtime as rt
+
+    from qcompile.codegen import iree_cpu
+
+    _, x = quantized
+    monkeypatch.setenv("QCOMPILE_THREADS", "2")
+    mod = pooled.runner.modules[1].module()
+    reflection = mod._main.vm_function.reflection
+    outputs, transients = iree_cpu.storage_args(reflection)
+    assert outputs == [1 * 10 * 4] and transients is not None and transients > 0
+    assert len(mod._storage) == 2 and isinstance(mod._storage[1], rt.HalBuffer)
+    first = mod(x[:1].numpy())[0]
+    kept = first.copy()
+    second = mod(x[1:2].numpy())[0]
+    np.testing.assert_array_equal(first, kept)
+    assert not np.array_equal(first, second)
+    a, b = pooled(x[:1]), pooled(x[1:2])
+    np.testing.assert_array_equal(a.numpy(), kept)
+    assert not torch.equal(a, b)
+
+
+def test_storage_args__sizes_from_main_declaration():
+    from qcompile.codegen.iree_cpu import storage_args
+
+    decl = ("sync func @main(%input0: tensor<2x3xf32>, %input1: tensor<4xi64>, %input2: "
+            "tensor<2x10xf32> {iree.abi.output = 0 : index}, %input3: tensor<2x5xi8> "
+            "{iree.abi.output = 1 : index}, %input4: !hal.buffer {iree.abi.transients = unit}) "
+            "-> (%output0: tensor<2x10xf32>, %output1: tensor<2x5xi8>)")
+    assert storage_args({"iree.abi.declaration": decl,
+                         "iree.abi.transients.size.constant": "4096"}) == ([80, 10], 4096)
+    plain = "sync func @main(%input0: tensor<2x3xf32>) -> (%output0: tensor<2x10xf32>)"
+    assert storage_args({"iree.abi.declaration": plain}) == ([], None)
+    with pytest.raises(ArtifactError, match="no constant size"):
+        storage_args({"iree.abi.declaration": decl})
+
+
+@needs_vnni
 def test_pooled_module__calls_from_several_threads_at_once(pooled, quantized, monkeypatch):
     _, x = quantized
     monkeypatch.setenv("QCOMPILE_THREADS", "2")

@@ -35,6 +35,7 @@ def dispatch_profile(module: BatchModule, inputs: list[np.ndarray], *, repetitio
             args.append(f"--input=@{Path(tmp) / f'in{i}.npy'}")
         if module.pooled:
             args.append(f"--input={ukernel.CTX_SIZE}xi64=0")
+        args += _storage_inputs(module.vmfb)
         prof = Path(tmp) / "p.ireeprof"
         subprocess.run([_tool("iree-benchmark-module"), f"--module={vmfb}", "--device=local-task",
                         "--function=main", *args, f"--benchmark_repetitions={repetitions}",
@@ -57,6 +58,19 @@ def dispatch_profile(module: BatchModule, inputs: list[np.ndarray], *, repetitio
     return {"batch": module.batch, "dispatches": len(rows),
             "share_by_kind": {k: round(v, 4) for k, v in sorted(kinds.items())},
             "top": rows[:top]}
+
+
+def _storage_inputs(vmfb: bytes) -> list[str]:
+    """``--input`` flags for the storage a module takes for its results and transients
+    (:func:`qcompile.codegen.iree_cpu.storage_args`): zeroed buffers of their sizes."""
+    import iree.runtime as rt
+
+    instance = rt.VmInstance()
+    vm = rt.VmModule.copy_buffer(instance, vmfb)     # both outlive the function's reflection
+    main = vm.lookup_function("main")
+    outputs, transients = iree_cpu.storage_args(dict(main.reflection) if main else {})
+    return [f"--input={n}xi8=0" for n in outputs] + (
+        [f"--input=&{max(transients, 64)}xi8=0"] if transients is not None else [])
 
 
 def _function_rows(jsonl: str) -> list[dict[str, Any]]:

@@ -604,8 +604,12 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str,
     target ``target``, object ``obj``) and each call by a ``flow.dispatch``.
 
     ``pooled``: every dispatch shares its workgroups out over qcompile's thread pool
-    (:mod:`qcompile.codegen.ukernel.pool`), which ``main`` takes as one more, last argument
-    (:data:`POOL_ARG`, ``tensor<CTX_SIZExi64>``)."""
+    (:mod:`qcompile.codegen.ukernel.pool`), which ``main`` takes as one more argument
+    (:data:`POOL_ARG`, ``tensor<CTX_SIZExi64>``). Then come the caller's storage for each
+    result (``iree.abi.output``) and for the transients (``iree.abi.transients``, a
+    ``!hal.buffer``): the call then allocates nothing, awaits no allocation, and IREE's
+    ``local-sync`` device runs each dispatch as it is recorded (an inline command buffer)
+    instead of recording all of them and then replaying them (:class:`iree_cpu.Module`)."""
     from qcompile.errors import CompileError
 
     by_name = {c.name: c for c in calls}
@@ -646,11 +650,22 @@ def link(text: str, calls: Sequence[UkCall], obj: Path, target: str,
         i += 1
     close = i - 1
     sep = "" if text[head.end():close].strip() == "" else ", "
-    return f"{text[:close]}{sep}%{POOL_ARG}: {ctx_t}{text[close:]}"
+    results = re.match(r"\s*->\s*(\([^{]*\)|tensor<[^>]*>)\s*(?:attributes\b[^{]*)?\{",
+                       text[i:])
+    if results is None:
+        raise CompileError("cpu: main's results have an unexpected form",
+                           why=text[i:i + 200], next="compile with QCOMPILE_POOL=0 and report "
+                                                     "this model")
+    storage = "".join(f", %{OUT_ARG}{k}: {t} {{iree.abi.output = {k} : index}}"
+                      for k, t in enumerate(re.findall(r"tensor<[^>]*>", results.group(1))))
+    return (f"{text[:close]}{sep}%{POOL_ARG}: {ctx_t}{storage}, "
+            f"%{TRANSIENTS_ARG}: !hal.buffer {{iree.abi.transients}}{text[close:]}")
 
 
 _POOLED_CALL = re.compile(rf"\b(?:func\.)?call @({_NAMES})\(([^()]*)\) : \(([^()]*)\)")
 POOL_ARG = "qk_pool"
+OUT_ARG = "qk_out"                 # OUT_ARG0, ...: the results' storage
+TRANSIENTS_ARG = "qk_transients"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ is reported. When every attempt fails the MLIR is saved and the error names it w
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import tempfile
@@ -152,6 +153,9 @@ class Module:
         self._vm = (self._ctx.vm_context, self._main.vm_function) if self._host else None
         # the trailing operands as device buffers made once (they are the same every call)
         self._extra_views = [self._copy_in(x) for x in extra] if self._host else []
+        # the storage a module compiled for it takes after them (its results', its
+        # transients'): made once, so that a call allocates nothing and runs inline
+        self._storage = self._caller_storage(self._main.vm_function.reflection)
 
     def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
         with self._lock:
@@ -181,8 +185,8 @@ class Module:
         for x in args:
             view = self._in_place(x)
             views.append(self._copy_in(x) if isinstance(view, np.ndarray) else view)
-        arg_list = rt.VmVariantList(len(views) + len(self._extra_views))
-        for view in (*views, *self._extra_views):
+        arg_list = rt.VmVariantList(len(views) + len(self._extra_views) + len(self._storage))
+        for view in (*views, *self._extra_views, *self._storage):
             arg_list.push_ref(view)
         ret_list = rt.VmVariantList(1)
         vm_context, function = self._vm
@@ -193,6 +197,28 @@ class Module:
             dtype = rt.HalElementType.map_to_dtype(view.element_type)
             outs.append(np.array(view.map().asarray(view.shape, dtype)))   # a copy we own
         return outs
+
+    def _caller_storage(self, reflection: dict[str, str]) -> list[Any]:
+        """Buffers for ``main``'s caller-provided storage (see :func:`storage_args`), in its
+        argument order; none for a module without it."""
+        outputs, transients = storage_args(reflection)
+        if not outputs and transients is None:
+            return []
+        if not self._host:
+            raise ValueError("a module that takes its results' and transients' storage runs on "
+                             "the host drivers only (local-sync, local-task)")
+        import iree.runtime as rt
+
+        device = self._config.device
+
+        def buffer(size: int) -> Any:
+            return device.allocator.allocate_buffer(
+                memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT,
+                allocation_size=max(size, 64))
+
+        # main checks only the byte length of an output's buffer; its result views it anew
+        views = [rt.HalBufferView(buffer(n), [n], rt.HalElementType.INT_8) for n in outputs]
+        return [*views, buffer(transients)] if transients is not None else views
 
     def _copy_in(self, x: np.ndarray) -> Any:
         """``x`` copied into a device buffer view of its own."""
@@ -221,6 +247,36 @@ class Module:
         buf = self._config.device.allocator.import_host_allocation(
             x, memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT)
         return rt.HalBufferView(buf, x.shape, kind)
+
+
+def storage_args(reflection: dict[str, str]) -> tuple[list[int], int | None]:
+    """From ``main``'s reflection: the byte size of each result whose storage the caller
+    provides (``iree.abi.output``, in result order) and the size of the transient storage it
+    takes (``iree.abi.transients``; None: it takes none)."""
+    declared = reflection.get("iree.abi.declaration", "")
+    outputs = {int(k): _tensor_bytes(t) for t, k in _OUTPUT_ARG.findall(declared)}
+    transients = None
+    if "iree.abi.transients" in declared.partition("->")[0]:
+        size = reflection.get("iree.abi.transients.size.constant")
+        if size is None:
+            from qcompile.errors import ArtifactError
+
+            raise ArtifactError("the module's transient storage has no constant size",
+                                why="main takes its transients' storage but declares no "
+                                    "iree.abi.transients.size.constant",
+                                next="recompile the model (qcompile compile RECIPE -o ...)")
+        transients = int(size)
+    return [outputs[k] for k in sorted(outputs)], transients
+
+
+_OUTPUT_ARG = re.compile(r"(tensor<[^>]*>) \{iree\.abi\.output = (\d+) : index\}")
+
+
+def _tensor_bytes(t: str) -> int:
+    """Bytes of a static ``tensor<AxBx...xTYPE>`` (i1 as a byte)."""
+    *dims, elem = t[len("tensor<"):-1].split("x")
+    bits = int(re.sub(r"\D", "", elem) or 8)
+    return int(np.prod([int(d) for d in dims], dtype=np.int64)) * max(1, bits // 8)
 
 
 IN_PLACE_BYTES = 1 << 16      # inputs from this size on are read in place (Module._in_place)

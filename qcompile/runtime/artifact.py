@@ -326,6 +326,9 @@ def _check_declaration(path: Path, seq: int | None, batch: int, vmfb: bytes,
     except (RuntimeError, ValueError, AttributeError) as err:
         raise _bad(path, f"{name} is no loadable IREE module ({str(err)[:200]})") from None
     args, _, results = declared.partition("->")
+    # a pooled module may take its results' storage after the pool operand (iree.abi.output)
+    storage = _TENSOR.findall(" ".join(re.findall(r"tensor<[^>]*> \{iree\.abi\.output", args)))
+    args = re.sub(r"tensor<[^>]*> \{iree\.abi\.output", "", args)
     want_in = [(f"{batch}x" + "x".join(map(str, _in_shape(i, seq)))).rstrip("x") + " " +
                _MLIR_TYPES[i["dtype"]] for i in meta["inputs"]]
     want_in += [f"{CTX_SIZE} i64"] if pooled else []
@@ -333,6 +336,8 @@ def _check_declaration(path: Path, seq: int | None, batch: int, vmfb: bytes,
     want_out = [(f"{batch}x" + "x".join(map(str, _at_length(o, seq)))).rstrip("x")
                 for o in meta["outputs"]]
     got_out = [dims for dims, _ in _TENSOR.findall(results)]
+    if storage and (not pooled or [d for d, _ in storage] != got_out):
+        got_in += [f"{dims} {t} (storage)" for dims, t in storage]
     if got_in != want_in or got_out != want_out:
         raise _bad(path, f"{name} takes {got_in} -> {got_out}; meta.json says "
                          f"{want_in} -> {want_out}")
