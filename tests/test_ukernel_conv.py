@@ -426,3 +426,50 @@ def test_port_bench__every_mix_timed_at_a_plausible_rate():
         assert 0.1 < row[name] / row["clock"] < 6, name
     text = ports.table([row])
     assert text.count("\n| ") == len(ports.MIXES) + 1 and "vpdpbusd GOPS per core" in text
+
+
+class _Stem(torch.nn.Module):
+    def __init__(self, c: int, k: int, s: int) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(c, 24, k, s, k // 2)
+        self.head = torch.nn.Conv2d(24, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.stem(x)))
+
+
+@needs_vnni
+@pytest.mark.parametrize("c,k,s,packed", [
+    (3, 7, 2, True),       # resnet's stem: 6 quads per kernel row instead of 7
+    (3, 5, 1, True),       # 4 quads instead of 5
+    (2, 5, 2, True),
+    (3, 3, 2, False),      # 9 bytes take 3 quads either way
+])
+def test_stem_over_the_model_input__packed_rows_bit_exact(c, k, s, packed):
+    """A stem fed by the microkernel quantize reads the input packed (C bytes a pixel, each
+    kernel row as one column of KW * C bytes) where that takes fewer quads: bit-exact with the
+    reference at batch 1 and 3, on widths that are no multiple of 16 (the quantize's masked
+    tail, the last window's read past the row)."""
+    from qcompile.codegen.mlir_emit import EmitOptions, emit
+    from qcompile.frontend.quantize import quantize
+    from qcompile.reference.program import lower
+
+    packed = packed and ukernel.host_has_vbmi()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(3, c, 23, 37, generator=gen),) for _ in range(3)]
+    q = quantize(_Stem(c, k, s).eval(), batches[0], batches, QCOMPILE)
+    _, em = emit(lower(q, 3).graph, EmitOptions(ukernel_convs=True))
+    quant = next(u for u in em.uk_calls if u.quantize is not None)
+    stem = next(u.shape for u in em.uk_calls if u.loc and "stem" in u.loc and u.quantize is None)
+    assert quant.quantize.packed is packed
+    if packed:
+        assert (stem.xstep, stem.kw, stem.c) == (c, 1, -(-k * c // 4) * 4)
+        pixels = 3 * (23 + k // 2 * 2) * (37 + k // 2 * 2)
+        assert quant.quantize.out_size == stem.in_size == pixels * c + ukernel.PACKED_SLACK
+    else:
+        assert (stem.xstep, stem.kw, stem.c) == (0, k, 4)
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1, 3), analyze=False,
+                                          ukernel_convs=True))
+    _assert_bit_exact(model, batches[1][0])
+    assert model.report["compile"]["ukernel"]["input_quantize"]

@@ -292,7 +292,7 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         cp = ukernel.padded_channels(c)
         pre = prepadded(em, conv, (ph, pw), int(a.x_zp))
         inner = in_place(em, conv) if cp == c and not depthwise else None
-        x_off = 0
+        x_off = xstep = 0
         if pre is not None and cp == c:
             xp = pre
         elif inner is not None:
@@ -302,13 +302,17 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
             x_off = (pt * (wd + 2 * pl) + pl) * cp
             ph, pw = pt, pl
         elif (qin := _input_quantize(em, conv)) is not None:
-            xp = _emit_input_quantize(em, conv, qin, (ph, pw))
+            packed = not depthwise and ukernel.packed_stem(c, kw, wd, dw)
+            xp = _emit_input_quantize(em, conv, qin, (ph, pw), packed)
+            if packed:          # one column over each kernel row's bytes (ConvShape.xstep)
+                w = w.reshape(f, kh, 1, kw * c)
+                xstep, cp, kw, dw = c, ukernel.padded_channels(kw * c), 1, 1
         else:
             with em.loc(conv, ".copy"):
                 xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
         s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
                               rq_node.shape[1], rq_node.shape[2], depthwise=depthwise,
-                              x_off=x_off)
+                              x_off=x_off, xstep=xstep)
     # (a depthwise kernel writes no border for its readers)
     border = out_border(em, rq_node) if conv.op is Op.QCONV2D and not s.depthwise else None
     # a table that reads only this requantize: the kernel stores the table's entries
@@ -474,13 +478,15 @@ def _input_quantize(em: Emitter, conv: Node) -> Node | None:
     return quant
 
 
-def _emit_input_quantize(em: Emitter, conv: Node, quant: Node, pads: tuple[int, int]) -> TV:
+def _emit_input_quantize(em: Emitter, conv: Node, quant: Node, pads: tuple[int, int],
+                         packed: bool = False) -> TV:
     """``quant`` (and its permute) as ``qk_quantize_nchw``: the f32 input straight to the u8
     NHWC input of ``conv``, bordered by ``pads`` and its channels padded to 4 with the zero
-    point (the emitted quant and permute are left unused)."""
+    point, or ``packed`` rows (C bytes a pixel, flat; the emitted quant and permute are left
+    unused)."""
     qp = quant.attrs.qp
     n, c, h, w = quant.shape
-    q = ukernel.QuantizeShape(n, c, h, w, *pads)
+    q = ukernel.QuantizeShape(n, c, h, w, *pads, packed=packed)
     zp = int(qp.zero_point[0])
     params = ukernel.pack_quantize_params(q, float(qp.scale[0]), zp, qp.qmin, qp.qmax, zp)
     x = em.values[id(quant.src[0])]
@@ -492,7 +498,7 @@ def _emit_input_quantize(em: Emitter, conv: Node, quant: Node, pads: tuple[int, 
     em.uk_calls.append(UkCall(name, ukernel.ConvShape(n, h + 2 * pads[0], w + 2 * pads[1], 4, 4,
                                                       1, 1, 1, 1, 1, 1, h, w),
                               params.size, 0, False, quant.loc, quantize=q))
-    return b.reshape(out, (n, h + 2 * pads[0], w + 2 * pads[1], 4))
+    return out if packed else b.reshape(out, (n, h + 2 * pads[0], w + 2 * pads[1], 4))
 
 
 def prepadded(em: Emitter, reader: Node, pads: tuple[int, int], fill: int) -> TV | None:

@@ -126,6 +126,18 @@ class ConvShape:
     # another conv's padded output in place, hp x wp then that buffer's
     x_off: int = 0
     res_pad: tuple[int, int] = (0, 0)   # the residual's border rows / columns per side
+    # packed rows (0: off): the input holds ``xstep`` bytes per pixel, unpadded, and the conv
+    # runs as one column (kw 1) over ``c = padded_channels(KW * xstep)`` bytes of each kernel
+    # row (:func:`packed_stem`)
+    xstep: int = 0
+
+    @property
+    def in_size(self) -> int:
+        """Elements of the input buffer (border included; packed rows: and the slack the last
+        window reads past the end)."""
+        if self.xstep:
+            return self.n * self.hp * self.wp * self.xstep + PACKED_SLACK
+        return self.n * self.hp * self.wp * self.c
 
     @property
     def out_size(self) -> int:
@@ -156,7 +168,8 @@ class ConvShape:
 @dataclass(frozen=True)
 class QuantizeShape:
     """The model input's quantize as a microkernel conv's padded input (``qk_quantize_nchw``):
-    f32 ``[N, C, H, W]`` (C <= 4) to u8 ``[N, H + 2 PT, W + 2 PL, 4]``."""
+    f32 ``[N, C, H, W]`` (C <= 4) to u8 ``[N, H + 2 PT, W + 2 PL, 4]``, or packed rows
+    ``[N, H + 2 PT, W + 2 PL, C]`` (then :data:`PACKED_SLACK` bytes)."""
 
     n: int
     c: int
@@ -165,10 +178,12 @@ class QuantizeShape:
     pt: int
     pl: int
     rows: int = 8                    # input rows per workgroup
+    packed: bool = False
 
     @property
     def out_size(self) -> int:
-        return self.n * (self.h + 2 * self.pt) * (self.w + 2 * self.pl) * 4
+        pixels = self.n * (self.h + 2 * self.pt) * (self.w + 2 * self.pl)
+        return pixels * self.c + PACKED_SLACK if self.packed else pixels * 4
 
     @property
     def chunks(self) -> int:
@@ -181,12 +196,25 @@ def pack_quantize_params(q: QuantizeShape, scale: float, zp: int, qmin: int, qma
     reciprocal as ``qmath.quantize_array``), the zero point, clamp and border fill."""
     inv = np.float32(1.0) / np.float32(scale)
     bits = int(np.asarray(inv, np.float32).view(np.int32))
-    return np.asarray([q.n, q.c, q.h, q.w, q.pt, q.pl, zp, qmin, qmax, bits, fill, q.rows],
-                      np.int64)
+    return np.asarray([q.n, q.c, q.h, q.w, q.pt, q.pl, zp, qmin, qmax, bits, fill, q.rows,
+                       int(q.packed)], np.int64)
 
 
 def padded_channels(c: int) -> int:
     return -(-c // 4) * 4
+
+
+PACKED_SLACK = 64     # bytes after packed rows: a last window's quads read up to 3 bytes past
+Q_MAX_W = 2048        # the widest input row the quantize packs (conv_vnni.c)
+
+
+def packed_stem(c: int, kw: int, w: int, dilation: int) -> bool:
+    """Whether a conv over the model input (``c`` channels, ``kw`` columns, ``w`` pixels wide)
+    reads packed rows (:attr:`ConvShape.xstep`): when that takes fewer quads per kernel row
+    than ``kw`` pixels of 4 bytes (a 7×7 conv over RGB: 6 instead of 7; 3×3 over one channel:
+    1 instead of 3). The quantize packs with AVX-512 VBMI."""
+    return (dilation == 1 and -(-kw * c // 4) < kw * (padded_channels(c) // 4)
+            and w <= Q_MAX_W and host_has_vbmi())
 
 
 def pack_weights(w: np.ndarray) -> np.ndarray:
@@ -299,7 +327,7 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
               int(m1 is not None or float_residual), int(res_signed), zout, qmin,
               qmax, s.n, s.wstride, s.chunk, *s.out_pad, s.out_fill, k, res_zp,
               int(signed), int(clamp_lo), int(clamp_hi), int(zfold), int(floating),
-              int(lut is not None), s.x_off, *s.res_pad, 0]
+              int(lut is not None), s.x_off, *s.res_pad, s.xstep]
     # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
     # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
     # rounding term 2^(s-1-k) (+ zp · 2^(s-k) where it folds); s - k. Zeros where the wide
@@ -407,7 +435,7 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
     (per pixel, then per channel, of every image); ``floating``: a dequantize, y and res f32.
     Executables of one module need distinct entries (they are linked into one library)."""
     et = "f32" if floating else "i8"
-    ins = [("i8", s.n * s.hp * s.wp * s.c), ("i8", nweights), ("i64", nparams)]
+    ins = [("i8", s.in_size), ("i8", nweights), ("i64", nparams)]
     if matmul:
         ins.append(("i32", s.n * (s.oh * s.ow + s.fp)))
     elif residual:

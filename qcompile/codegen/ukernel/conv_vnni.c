@@ -29,7 +29,7 @@ enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
   H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
   H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD, H_FLOAT, H_LUT,
-  H_XOFF, H_RPT, H_RPL,
+  H_XOFF, H_RPT, H_RPL, H_XSTEP,
   HEADER = 36
 };
 
@@ -38,8 +38,9 @@ enum {
 typedef struct {
   const uint8_t* x;        // the (n) image, padded
   const int8_t* w;         // this channel block's packed weights
-  int64_t row;             // bytes per padded input row (WP * C)
+  int64_t row;             // bytes per padded input row (WP * xstep)
   int64_t c, kh, kw, sw, dh, dw;
+  int64_t xstep;           // bytes per input pixel: C, or fewer for packed rows (H_XSTEP)
 } conv_args;
 
 // Accumulators of MR output pixels x NR*16 channels; xs[m]: pixel m's window origin (the
@@ -55,7 +56,7 @@ INLINE void tile(const conv_args* a, const uint8_t* const* xs, __m512i acc[6][4]
   const int64_t quads = a->c >> 2;
   for (int64_t i = 0; i < a->kh; ++i) {
     for (int64_t k = 0; k < a->kw; ++k) {
-      const int64_t off = i * a->dh * a->row + k * a->dw * a->c;
+      const int64_t off = i * a->dh * a->row + k * a->dw * a->xstep;
       for (int64_t q = 0; q < quads; ++q) {
         __m512i wv[4];
 #pragma GCC unroll 4
@@ -500,11 +501,16 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   const int64_t hp = h[H_HP], wp = h[H_WP], c = h[H_C], kh = h[H_KH], kw = h[H_KW];
   const int64_t ow = h[H_OW], f = h[H_F], fp = h[H_FP], ohn = h[H_OH];
   conv_args a;
-  a.row = wp * c;
+  // H_XSTEP (0: C): packed rows, a stem over the model input's few channels (C_in of them,
+  // unpadded, H_XSTEP = C_in) as a conv of one column over C = KW * C_in bytes padded to 4:
+  // 6 quads per kernel row of a 7x7 conv over RGB instead of 7, the bytes past the window
+  // meeting zero weights
+  a.xstep = h[H_XSTEP] ? h[H_XSTEP] : c;
+  a.row = wp * a.xstep;
   a.c = c; a.kh = kh; a.kw = kw; a.sw = h[H_SW]; a.dh = h[H_DH]; a.dw = h[H_DW];
   // H_XOFF: the input's origin inside a bigger padded buffer (hp x wp), for a conv without
   // padding that reads another conv's padded output in place
-  a.x = xb + xo + h[H_XOFF] + n * hp * wp * c;
+  a.x = xb + xo + h[H_XOFF] + n * hp * a.row;
   const int64_t k = kh * kw * c;
   const int64_t c0 = blk * 64;
   int64_t nr16 = (fp - c0) / 16;
@@ -553,7 +559,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     tt.col = terms + h[H_N] * pixels + n * fp;
     t = &tt;
   }
-  const int64_t sh_row = h[H_SH] * a.row, sw_c = a.sw * c;
+  const int64_t sh_row = h[H_SH] * a.row, sw_c = a.sw * a.xstep;
   const int64_t oy = p0 / ow;             // the chunk's first output row
   int64_t ox = p0 % ow;                   // the next pixel's output column
   // The next pixel's window origin, output and residual (bytes from rbase): one pixel on, and
@@ -615,8 +621,10 @@ void qk_matmul_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
 // C <= 4 channels in, u8 NHWC with 4 channels out, bordered by PT rows and PL columns on each
 // side. q = clamp(roundeven(x * inv) + zp, qmin, qmax) in f32, like qmath.quantize_array; the
 // border and the channels past C hold the fill (the conv's zero point). One call writes
-// Q_ROWS input rows of image n (and the border rows next to them).
-enum { Q_N, Q_C, Q_H, Q_W, Q_PT, Q_PL, Q_ZP, Q_QMIN, Q_QMAX, Q_INV, Q_FILL, Q_ROWS };
+// Q_ROWS input rows of image n (and the border rows next to them). Q_PACKED: C bytes per pixel
+// instead of 4 (the packed rows of a stem, H_XSTEP), which needs AVX-512 VBMI.
+enum { Q_N, Q_C, Q_H, Q_W, Q_PT, Q_PL, Q_ZP, Q_QMIN, Q_QMAX, Q_INV, Q_FILL, Q_ROWS, Q_PACKED };
+#define Q_MAX_W 2048   // the widest input row the packed form takes (pixels; a stack row)
 
 // (returns the lanes that held a NaN or an infinity: the caller's input check)
 static __mmask16 quantize_row(const float* x, int64_t plane, int64_t w, int64_t c, __m512 inv,
@@ -639,6 +647,21 @@ static __mmask16 quantize_row(const float* x, int64_t plane, int64_t w, int64_t 
   return bad;
 }
 
+// A row of w pixels of 4 bytes (quantize_row's) written as c bytes per pixel: 16 pixels per
+// vpermb, the byte (p, ch) from byte 4 p + ch
+__attribute__((target("avx512vbmi"))) static void pack_row(const uint32_t* px, int64_t w,
+                                                           int64_t c, uint8_t* y) {
+  uint8_t idx[64];
+  for (int j = 0; j < 64; ++j) idx[j] = (uint8_t)(j < 16 * c ? 4 * (j / c) + j % c : 0);
+  const __m512i perm = _mm512_loadu_si512((const void*)idx);
+  for (int64_t i = 0; i < w; i += 16) {
+    const int64_t n = (w - i < 16 ? w - i : 16) * c;
+    const __m512i v = _mm512_maskz_loadu_epi32(live16(w - i), (const void*)(px + i));
+    _mm512_mask_storeu_epi8((void*)(y + i * c), n >= 64 ? ~(__mmask64)0
+                            : (((__mmask64)1 << n) - 1), _mm512_permutexvar_epi8(perm, v));
+  }
+}
+
 // One chunk of the quantize; a NaN or infinity among its inputs sets *nonfinite (when given):
 // the input check of the caller, made while the values pass through here anyway.
 static void quantize_chunk(const float* xb, int64_t xo, const int64_t* pb, int64_t po,
@@ -656,12 +679,28 @@ static void quantize_chunk(const float* xb, int64_t xo, const int64_t* pb, int64
   const uint32_t fill = f8 * 0x01010101u;
   const __m512i vfill = _mm512_set1_epi32((int32_t)fill);
   const float* x = xb + xo + n * c * hh * w;
-  uint32_t* y = (uint32_t*)(yb + yo) + n * hp * wp;
   const int64_t r0 = chunk * h[Q_ROWS];
   const int64_t r1 = r0 + h[Q_ROWS] < hh ? r0 + h[Q_ROWS] : hh;
   // border rows: the top ones with the first chunk, the bottom ones with the last
   const int64_t b0 = r0 == 0 ? 0 : r0 + pt, b1 = r1 == hh ? hp : r1 + pt;
   __mmask16 bad = 0;
+  if (h[Q_PACKED]) {
+    uint8_t* y8 = yb + yo + n * hp * wp * c;
+    uint32_t px[Q_MAX_W];
+    for (int64_t r = b0; r < b1; ++r) {
+      uint8_t* row = y8 + r * wp * c;
+      if (r < pt || r >= hh + pt) {
+        for (int64_t i = 0; i < wp * c; ++i) row[i] = (uint8_t)f8;
+        continue;
+      }
+      for (int64_t i = 0; i < pl * c; ++i) row[i] = row[(pl + w) * c + i] = (uint8_t)f8;
+      bad |= quantize_row(x + (r - pt) * w, hh * w, w, c, vinv, zp, lo, hi, vfill, px);
+      pack_row(px, w, c, row + pl * c);
+    }
+    if (bad && nonfinite) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  uint32_t* y = (uint32_t*)(yb + yo) + n * hp * wp;
   for (int64_t r = b0; r < b1; ++r) {
     uint32_t* row = y + r * wp;
     if (r < pt || r >= hh + pt) {
