@@ -71,6 +71,12 @@ SHAPES = {
     "8x8x20-96-1x1": (1, 8, 8, 20, 96, 1, 1, 0, False),
     "8x8x20-112-1x1+res": (1, 8, 8, 20, 112, 1, 1, 0, True),
     "112x112x3-32-3x3s2": (1, 224, 224, 3, 32, 3, 2, 1, False),
+    # resnet50's expansion 1x1 convs with the block's residual (conv3), and without
+    "56x56x64-256-1x1+res": (1, 56, 56, 64, 256, 1, 1, 0, True),
+    "56x56x64-256-1x1": (1, 56, 56, 64, 256, 1, 1, 0, False),
+    "28x28x128-512-1x1+res": (1, 28, 28, 128, 512, 1, 1, 0, True),
+    "14x14x256-1024-1x1+res": (1, 14, 14, 256, 1024, 1, 1, 0, True),
+    "7x7x512-2048-1x1+res": (1, 7, 7, 512, 2048, 1, 1, 0, True),
     # MiniLM's linears at seq 128, batch 1 (M = 128 rows as a 1 x 128 image)
     "minilm-qkv-128x384-1152": (1, 1, 128, 384, 1152, 1, 1, 0, False),
     "minilm-ffn1-128x384-1536": (1, 1, 128, 384, 1536, 1, 1, 0, False),
