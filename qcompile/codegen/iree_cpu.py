@@ -275,8 +275,9 @@ _OUTPUT_ARG = re.compile(r"(tensor<[^>]*>) \{iree\.abi\.output = (\d+) : index\}
 def _tensor_bytes(t: str) -> int:
     """Bytes of a static ``tensor<AxBx...xTYPE>`` (i1 as a byte)."""
     *dims, elem = t[len("tensor<"):-1].split("x")
-    bits = int(re.sub(r"\D", "", elem) or 8)
-    return int(np.prod([int(d) for d in dims], dtype=np.int64)) * max(1, bits // 8)
+    width = re.match(r"[a-z]+(\d+)", elem)
+    bits = int(width.group(1)) if width else 8
+    return int(np.prod([int(d) for d in dims], dtype=np.int64)) * max(1, -(-bits // 8))
 
 
 IN_PLACE_BYTES = 1 << 16      # inputs from this size on are read in place (Module._in_place)
