@@ -254,7 +254,7 @@ def storage_args(reflection: dict[str, str]) -> tuple[list[int], int | None]:
     provides (``iree.abi.output``, in result order) and the size of the transient storage it
     takes (``iree.abi.transients``; None: it takes none)."""
     declared = reflection.get("iree.abi.declaration", "")
-    outputs = {int(k): _tensor_bytes(t) for t, k in _OUTPUT_ARG.findall(declared)}
+    outputs = {int(k): _tensor_bytes(t) for t, k in OUTPUT_ARG.findall(declared)}
     transients = None
     if "iree.abi.transients" in declared.partition("->")[0]:
         size = reflection.get("iree.abi.transients.size.constant")
@@ -269,7 +269,8 @@ def storage_args(reflection: dict[str, str]) -> tuple[list[int], int | None]:
     return [outputs[k] for k in sorted(outputs)], transients
 
 
-_OUTPUT_ARG = re.compile(r"(tensor<[^>]*>) \{iree\.abi\.output = (\d+) : index\}")
+# an argument of main that is the storage of result k (iree.abi.output): (its type, k)
+OUTPUT_ARG = re.compile(r"(tensor<[^>]*>) \{iree\.abi\.output = (\d+) : index\}")
 
 
 def _tensor_bytes(t: str) -> int:

@@ -316,6 +316,7 @@ def _check_declaration(path: Path, seq: int | None, batch: int, vmfb: bytes,
     pooled module takes the pool operand last."""
     import iree.runtime as rt
 
+    from qcompile.codegen.iree_cpu import OUTPUT_ARG
     from qcompile.codegen.ukernel import CTX_SIZE
 
     name = f"{_key(seq, batch)}.vmfb"
@@ -327,8 +328,9 @@ def _check_declaration(path: Path, seq: int | None, batch: int, vmfb: bytes,
         raise _bad(path, f"{name} is no loadable IREE module ({str(err)[:200]})") from None
     args, _, results = declared.partition("->")
     # a pooled module may take its results' storage after the pool operand (iree.abi.output)
-    storage = _TENSOR.findall(" ".join(re.findall(r"tensor<[^>]*> \{iree\.abi\.output", args)))
-    args = re.sub(r"tensor<[^>]*> \{iree\.abi\.output", "", args)
+    storage = [_TENSOR.findall(t)[0] for t, _ in sorted(OUTPUT_ARG.findall(args),
+                                                         key=lambda a: int(a[1]))]
+    args = OUTPUT_ARG.sub("", args)
     want_in = [(f"{batch}x" + "x".join(map(str, _in_shape(i, seq)))).rstrip("x") + " " +
                _MLIR_TYPES[i["dtype"]] for i in meta["inputs"]]
     want_in += [f"{CTX_SIZE} i64"] if pooled else []

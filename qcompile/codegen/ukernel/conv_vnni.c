@@ -647,13 +647,18 @@ static __mmask16 quantize_row(const float* x, int64_t plane, int64_t w, int64_t 
   return bad;
 }
 
-// A row of w pixels of 4 bytes (quantize_row's) written as c bytes per pixel: 16 pixels per
-// vpermb, the byte (p, ch) from byte 4 p + ch
-__attribute__((target("avx512vbmi"))) static void pack_row(const uint32_t* px, int64_t w,
-                                                           int64_t c, uint8_t* y) {
+// pack_row's vpermb indices for c bytes per pixel: the byte (p, ch) from byte 4 p + ch
+static __m512i pack_perm(int64_t c) {
   uint8_t idx[64];
   for (int j = 0; j < 64; ++j) idx[j] = (uint8_t)(j < 16 * c ? 4 * (j / c) + j % c : 0);
-  const __m512i perm = _mm512_loadu_si512((const void*)idx);
+  return _mm512_loadu_si512((const void*)idx);
+}
+
+// A row of w pixels of 4 bytes (quantize_row's) written as c bytes per pixel: 16 pixels per
+// vpermb (perm: pack_perm(c))
+__attribute__((target("avx512vbmi"))) static void pack_row(const uint32_t* px, int64_t w,
+                                                           int64_t c, __m512i perm,
+                                                           uint8_t* y) {
   for (int64_t i = 0; i < w; i += 16) {
     const int64_t n = (w - i < 16 ? w - i : 16) * c;
     const __m512i v = _mm512_maskz_loadu_epi32(live16(w - i), (const void*)(px + i));
@@ -687,6 +692,7 @@ static void quantize_chunk(const float* xb, int64_t xo, const int64_t* pb, int64
   if (h[Q_PACKED]) {
     uint8_t* y8 = yb + yo + n * hp * wp * c;
     uint32_t px[Q_MAX_W];
+    const __m512i perm = pack_perm(c);
     for (int64_t r = b0; r < b1; ++r) {
       uint8_t* row = y8 + r * wp * c;
       if (r < pt || r >= hh + pt) {
@@ -695,7 +701,7 @@ static void quantize_chunk(const float* xb, int64_t xo, const int64_t* pb, int64
       }
       for (int64_t i = 0; i < pl * c; ++i) row[i] = row[(pl + w) * c + i] = (uint8_t)f8;
       bad |= quantize_row(x + (r - pt) * w, hh * w, w, c, vinv, zp, lo, hi, vfill, px);
-      pack_row(px, w, c, row + pl * c);
+      pack_row(px, w, c, perm, row + pl * c);
     }
     if (bad && nonfinite) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
     return;
