@@ -443,13 +443,42 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
       default: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, 0); break;                     \
     }                                                                                     \
     break;
+// A whole tile of 6 pixels for each block width and epilogue form, a function of its own (the
+// chunk loop calls it without a switch per tile)
+typedef void (*tile6_fn)(const conv_args*, const epi_args*, const terms_args*,
+                         const uint8_t* const*, int64_t, int64_t, const uint8_t* const*,
+                         uint8_t* const*);
+#define TILE6(NR, LEAN_MODE, NAME)                                                        \
+  static __attribute__((noinline)) void NAME(                                             \
+      const conv_args* a, const epi_args* e, const terms_args* t, const uint8_t* const* xs, \
+      int64_t c0, int64_t f, const uint8_t* const* rs, uint8_t* const* ys) {              \
+    run_tile(a, e, t, xs, c0, f, rs, ys, 6, NR, LEAN_MODE);                               \
+  }
+#define TILE6_NR(NR)                                                                      \
+  TILE6(NR, 0, tile6_##NR##_0)                                                            \
+  TILE6(NR, LEAN, tile6_##NR##_1)                                                         \
+  TILE6(NR, LEAN | LEAN_RES, tile6_##NR##_3)                                              \
+  TILE6(NR, LEAN | LEAN_K, tile6_##NR##_5)                                                \
+  TILE6(NR, LEAN | LEAN_RES | LEAN_K, tile6_##NR##_7)
+TILE6_NR(1)
+TILE6_NR(2)
+TILE6_NR(3)
+TILE6_NR(4)
+// [NR - 1][lean]: the lean form's bits index it (LEAN_RES and LEAN_K come with LEAN)
+static const tile6_fn TILE6_FNS[4][8] = {
+    {tile6_1_0, tile6_1_1, 0, tile6_1_3, 0, tile6_1_5, 0, tile6_1_7},
+    {tile6_2_0, tile6_2_1, 0, tile6_2_3, 0, tile6_2_5, 0, tile6_2_7},
+    {tile6_3_0, tile6_3_1, 0, tile6_3_3, 0, tile6_3_5, 0, tile6_3_7},
+    {tile6_4_0, tile6_4_1, 0, tile6_4_3, 0, tile6_4_5, 0, tile6_4_7}};
+
 #define TILES(NR)                                                                         \
   static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
                          const uint8_t* const* xs, int64_t c0, int64_t f,                 \
                          const uint8_t* const* rs, uint8_t* const* ys, int mr, int lean) { \
     switch (mr) {                                                                         \
       TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
-      TILE_CASE(5, NR) TILE_CASE(6, NR)                                                   \
+      TILE_CASE(5, NR)                                                                    \
+      case 6: TILE6_FNS[NR - 1][lean](a, e, t, xs, c0, f, rs, ys); break;                 \
     }                                                                                     \
   }
 TILES(1)
@@ -569,6 +598,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   uint8_t* yp = ybase + ((oy + pt) * owp + ox + pl) * fe;
   int64_t roff = ((oy + rpt) * owr + ox + rpl) * fe;
   const int64_t xwrap = sh_row - ow * sw_c, ywrap = 2 * pl * fe, rwrap = 2 * rpl * fe;
+  const tile6_fn tile6 = TILE6_FNS[nr - 1][lean];
   for (int64_t p = p0; p < p1; p += 6) {
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
     const uint8_t* xs[6];
@@ -594,6 +624,10 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     }
     const uint8_t* const* rp = e.res ? rs : 0;
     if (terms) tt.row = terms + image + p;
+    if (mr == 6) {
+      tile6(&a, &e, t, xs, c0, f, rp, ys);
+      continue;
+    }
     switch (nr) {
       case 1: tiles_1(&a, &e, t, xs, c0, f, rp, ys, mr, lean); break;
       case 2: tiles_2(&a, &e, t, xs, c0, f, rp, ys, mr, lean); break;
