@@ -471,6 +471,7 @@ static const tile6_fn TILE6_FNS[4][8] = {
     {tile6_3_0, tile6_3_1, 0, tile6_3_3, 0, tile6_3_5, 0, tile6_3_7},
     {tile6_4_0, tile6_4_1, 0, tile6_4_3, 0, tile6_4_5, 0, tile6_4_7}};
 
+// a short tile (mr < 6 pixels: a chunk's last), through a switch on mr and the form
 #define TILES(NR)                                                                         \
   static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
                          const uint8_t* const* xs, int64_t c0, int64_t f,                 \
@@ -478,7 +479,6 @@ static const tile6_fn TILE6_FNS[4][8] = {
     switch (mr) {                                                                         \
       TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
       TILE_CASE(5, NR)                                                                    \
-      case 6: TILE6_FNS[NR - 1][lean](a, e, t, xs, c0, f, rs, ys); break;                 \
     }                                                                                     \
   }
 TILES(1)
