@@ -77,6 +77,11 @@ SHAPES = {
     "28x28x128-512-1x1+res": (1, 28, 28, 128, 512, 1, 1, 0, True),
     "14x14x256-1024-1x1+res": (1, 14, 14, 256, 1024, 1, 1, 0, True),
     "7x7x512-2048-1x1+res": (1, 7, 7, 512, 2048, 1, 1, 0, True),
+    # the same as the models have them: the residual's multiplier near 1 sets the shift to 31
+    "56x56x64-256-1x1+res-near1": (1, 56, 56, 64, 256, 1, 1, 0, True),
+    "28x28x128-512-1x1+res-near1": (1, 28, 28, 128, 512, 1, 1, 0, True),
+    "56x56x144-24-1x1+res-near1": (1, 56, 56, 144, 24, 1, 1, 0, True),
+    "56x56x64-64-3x3+res-near1": (1, 56, 56, 64, 64, 3, 1, 1, True),
     # MiniLM's linears at seq 128, batch 1 (M = 128 rows as a 1 x 128 image)
     "minilm-qkv-128x384-1152": (1, 1, 128, 384, 1152, 1, 1, 0, False),
     "minilm-ffn1-128x384-1536": (1, 1, 128, 384, 1536, 1, 1, 0, False),
@@ -118,6 +123,9 @@ def layer(name, spec, out, rng, *, wide=False, lut=False):
     if f == 37:   # a small shift
         shift = np.minimum(shift, 20)
     if name.endswith("shift31"):   # a residual term's multiplier sets the shift (narrow, k 30)
+        shift = np.full(f, 31)
+    if name.endswith("near1"):     # the same with the multipliers a real model has there
+        m0 = m0 >> (shift - 31)    # (~2^21: the accumulator's real scale kept; narrow, k 30)
         shift = np.full(f, 31)
     if name.endswith("shift30"):   # narrow with k = 29, no residual
         shift = np.full(f, 30)
