@@ -34,18 +34,31 @@ OPS = {
     "vpackssdw": "vpackssdw %%zmm30, %%zmm31, %%zmmD",
     "vpermd": "vpermd %%zmm31, %%zmm29, %%zmmD",
     "vpermt2b": "vpermt2b %%zmm30, %%zmm29, %%zmmD",
+    "vpermb": "vpermb %%zmm31, %%zmm29, %%zmmD",
+    "vpmovzxbd": "vpmovzxbd %%xmm31, %%zmmD",
+    "vpsllq": "vpsllq $2, %%zmm31, %%zmmD",
+    "vpmadd52luq": "vpmadd52luq %%zmm30, %%zmm31, %%zmmD",
 }
+# the ops that need more than AVX-512 VNNI (VBMI, IFMA): timed only where the host has them
+NEEDS = {"vpermt2b": ukernel.host_has_vbmi, "vpermb": ukernel.host_has_vbmi,
+         "vpmadd52luq": lambda: "avx512ifma" in Path("/proc/cpuinfo").read_text().split()}
 
 # (name, [(op, count), ...]): the instructions of one step, repeated; per 16 outputs where it
 # models a kernel
 MIXES: list[tuple[str, list[tuple[str, int]]]] = [
     # (vpermt2b, the depthwise kernel's byte interleave, where the CPU has AVX-512 VBMI)
-    *((op, [(op, 16)]) for op in OPS if op != "vpermt2b" or ukernel.host_has_vbmi()),
+    *((op, [(op, 16)]) for op in OPS if op not in NEEDS or NEEDS[op]()),
     ("vpdpbusd + vpmuldq", [("vpdpbusd", 8), ("vpmuldq", 8)]),
     ("vpdpbusd + vpaddd", [("vpdpbusd", 8), ("vpaddd", 8)]),
     ("vpdpbusd + vpsrlq", [("vpdpbusd", 8), ("vpsrlq", 8)]),
     ("vpdpbusd + vpshufd", [("vpdpbusd", 8), ("vpshufd", 8)]),
     ("vpdpbusd + vpackssdw", [("vpdpbusd", 8), ("vpackssdw", 8)]),
+    ("vpdpbusd + vpsravd", [("vpdpbusd", 8), ("vpsravd", 8)]),
+    ("vpdpbusd + vpmovzxbd", [("vpdpbusd", 8), ("vpmovzxbd", 8)]),
+    ("vpdpbusd + vpsllq", [("vpdpbusd", 8), ("vpsllq", 8)]),
+    ("vpdpbusd + vpermd", [("vpdpbusd", 8), ("vpermd", 8)]),
+    *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in ("vpermb", "vpmadd52luq")
+      if NEEDS[op]()),
     # a 1x1 conv with K = 16 per 16 outputs: 4 vpdpbusd, then the exact requantize (odd lanes
     # down, two 32x32->64 products, high halves merged, rounding, shift) and a quarter of the
     # byte packs and their reorder
