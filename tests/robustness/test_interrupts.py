@@ -21,6 +21,16 @@ import qcompile
 from qcompile.report.writer import atomic_write_many, write_report
 
 HERE = Path(__file__).parent
+# each CLI child starts with SIGINT's default action, as a terminal's foreground job does (a
+# shell that starts the test run in the background leaves SIGINT ignored, and an ignored signal
+# stays ignored across exec: Python would then install no KeyboardInterrupt handler)
+PRELUDE = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+CLI = """
+import sys
+from qcompile.cli import main
+sys.argv = ["qcompile", *sys.argv[1:]]
+main()
+"""
 # runs the CLI with a SIGTERM sent to itself right after the first temp file is written: the
 # signal lands inside the write window
 SIGNAL_MID_WRITE = """
@@ -65,8 +75,7 @@ class Run:
         self.tmpdir.mkdir()
         env = {**os.environ, "TMPDIR": str(self.tmpdir),
                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-c", code, *args] if code else \
-            [sys.executable, "-m", "qcompile.cli", *args]
+        cmd = [sys.executable, "-c", PRELUDE + (code or CLI), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, cwd=folder, start_new_session=True, text=True)
         self.seen: dict[int, str] = {}
