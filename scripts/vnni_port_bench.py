@@ -39,9 +39,18 @@ OPS = {
     "vpsllq": "vpsllq $2, %%zmm31, %%zmmD",
     "vpmadd52luq": "vpmadd52luq %%zmm30, %%zmm31, %%zmmD",
 }
+
+
+def _host_has_ifma() -> bool:
+    try:
+        return "avx512ifma" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 # the ops that need more than AVX-512 VNNI (VBMI, IFMA): timed only where the host has them
 NEEDS = {"vpermt2b": ukernel.host_has_vbmi, "vpermb": ukernel.host_has_vbmi,
-         "vpmadd52luq": lambda: "avx512ifma" in Path("/proc/cpuinfo").read_text().split()}
+         "vpmadd52luq": _host_has_ifma}
 
 # (name, [(op, count), ...]): the instructions of one step, repeated; per 16 outputs where it
 # models a kernel
