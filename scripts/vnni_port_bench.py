@@ -98,15 +98,23 @@ int main(int argc, char** argv) {
     CPU_SET(atoi(argv[2]), &one);
     sched_setaffinity(0, sizeof one, &one);
   }
-  double t;
+  double t, v, best;
   long x = 1;
   __asm__ volatile("vpternlogd $0xff, %%zmm29, %%zmm29, %%zmm29" ::: "xmm29");
-  t = now();
-  for (long i = 0; i < n; ++i)
-    __asm__ volatile("add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
-                     "add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0" : "+r"(x));
-  printf("clock %.6f\n", n * 8.0 / (now() - t) / 1e9);
+  best = 0;
+  for (int r = 0; r < REPEATS; ++r) {
+    t = now();
+    for (long i = 0; i < n; ++i)
+      __asm__ volatile("add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
+                       "add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0" : "+r"(x));
+    v = n * 8.0 / (now() - t) / 1e9;
+    best = v > best ? v : best;
+  }
+  printf("clock %.6f\n", best);
 """
+# each loop is timed REPEATS times and its fastest pass kept (a pass the scheduler preempted
+# would otherwise read as a slow instruction)
+REPEATS = 5
 
 
 def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
@@ -125,11 +133,13 @@ def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
 
 
 def source() -> str:
-    out = [HEAD]
+    out = [HEAD.replace("REPEATS", str(REPEATS))]
     for name, mix in MIXES:
         body, count = _body(mix)
-        out.append(f'  t = now();\n  for (long i = 0; i < n; ++i) __asm__ volatile("{body}" ::: '
-                   f'CLOBBER);\n  printf("{name}\\t%.6f\\n", n * {count}.0 / (now() - t) / 1e9);')
+        out.append(f'  best = 0;\n  for (int r = 0; r < {REPEATS}; ++r) {{\n    t = now();\n'
+                   f'    for (long i = 0; i < n; ++i) __asm__ volatile("{body}" ::: CLOBBER);\n'
+                   f'    v = n * {count}.0 / (now() - t) / 1e9;\n    best = v > best ? v : best;\n'
+                   f'  }}\n  printf("{name}\\t%.6f\\n", best);')
     out.append("  return (int)(x & 1) * 0;\n}\n")
     return "\n".join(out)
 
