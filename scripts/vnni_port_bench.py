@@ -17,11 +17,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from qcompile.codegen import ukernel  # noqa: E402
-
 # one AVX-512 instruction per name: destination %%zmmD, sources zmm30 / zmm31 (zmm29 holds the
 # vpermd indices); a D of 0..15 gives independent destinations
 OPS = {
@@ -41,22 +36,23 @@ OPS = {
 }
 
 
-def _host_has_ifma() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        return "avx512ifma" in Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return set()
 
 
-# the ops that need more than AVX-512 VNNI (VBMI, IFMA): timed only where the host has them
-NEEDS = {"vpermt2b": ukernel.host_has_vbmi, "vpermb": ukernel.host_has_vbmi,
-         "vpmadd52luq": _host_has_ifma}
+# the ops that need more than AVX-512 VNNI (the /proc/cpuinfo flag): timed only where the host
+# has it (the flags read once)
+NEEDS = {"vpermt2b": "avx512vbmi", "vpermb": "avx512vbmi", "vpmadd52luq": "avx512ifma"}
+_FLAGS = _cpu_flags()
 
 # (name, [(op, count), ...]): the instructions of one step, repeated; per 16 outputs where it
 # models a kernel
 MIXES: list[tuple[str, list[tuple[str, int]]]] = [
     # (vpermt2b, the depthwise kernel's byte interleave, where the CPU has AVX-512 VBMI)
-    *((op, [(op, 16)]) for op in OPS if op not in NEEDS or NEEDS[op]()),
+    *((op, [(op, 16)]) for op in OPS if NEEDS.get(op, "avx512f") in _FLAGS),
     ("vpdpbusd + vpmuldq", [("vpdpbusd", 8), ("vpmuldq", 8)]),
     ("vpdpbusd + vpaddd", [("vpdpbusd", 8), ("vpaddd", 8)]),
     ("vpdpbusd + vpsrlq", [("vpdpbusd", 8), ("vpsrlq", 8)]),
@@ -67,7 +63,7 @@ MIXES: list[tuple[str, list[tuple[str, int]]]] = [
     ("vpdpbusd + vpsllq", [("vpdpbusd", 8), ("vpsllq", 8)]),
     ("vpdpbusd + vpermd", [("vpdpbusd", 8), ("vpermd", 8)]),
     *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in ("vpermb", "vpmadd52luq")
-      if NEEDS[op]()),
+      if NEEDS[op] in _FLAGS),
     # a 1x1 conv with K = 16 per 16 outputs: 4 vpdpbusd, then the exact requantize (odd lanes
     # down, two 32x32->64 products, high halves merged, rounding, shift) and a quarter of the
     # byte packs and their reorder
@@ -101,20 +97,22 @@ int main(int argc, char** argv) {
   double t, v, best;
   long x = 1;
   __asm__ volatile("vpternlogd $0xff, %%zmm29, %%zmm29, %%zmm29" ::: "xmm29");
-  best = 0;
-  for (int r = 0; r < REPEATS; ++r) {
-    t = now();
-    for (long i = 0; i < n; ++i)
-      __asm__ volatile("add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
-                       "add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0" : "+r"(x));
-    v = n * 8.0 / (now() - t) / 1e9;
-    best = v > best ? v : best;
-  }
-  printf("clock %.6f\n", best);
 """
+# the clock: a chain of dependent scalar adds, one per cycle
+CLOCK = ('__asm__ volatile("add %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0\\n\\t'
+         'add %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0" : "+r"(x));')
 # each loop is timed REPEATS times and its fastest pass kept (a pass the scheduler preempted
 # would otherwise read as a slow instruction)
 REPEATS = 5
+
+
+def _timed(stmt: str, count: int, label: str) -> str:
+    """C that runs ``stmt`` (``count`` instructions) n times, REPEATS times over, and prints
+    ``label`` and the fastest pass's rate (G instructions / s)."""
+    return (f'  best = 0;\n  for (int r = 0; r < {REPEATS}; ++r) {{\n    t = now();\n'
+            f'    for (long i = 0; i < n; ++i) {stmt}\n'
+            f'    v = n * {count}.0 / (now() - t) / 1e9;\n    best = v > best ? v : best;\n'
+            f'  }}\n  printf("{label}%.6f\\n", best);')
 
 
 def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
@@ -133,13 +131,10 @@ def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
 
 
 def source() -> str:
-    out = [HEAD.replace("REPEATS", str(REPEATS))]
+    out = [HEAD, _timed(CLOCK, 8, "clock ")]
     for name, mix in MIXES:
         body, count = _body(mix)
-        out.append(f'  best = 0;\n  for (int r = 0; r < {REPEATS}; ++r) {{\n    t = now();\n'
-                   f'    for (long i = 0; i < n; ++i) __asm__ volatile("{body}" ::: CLOBBER);\n'
-                   f'    v = n * {count}.0 / (now() - t) / 1e9;\n    best = v > best ? v : best;\n'
-                   f'  }}\n  printf("{name}\\t%.6f\\n", best);')
+        out.append(_timed(f'__asm__ volatile("{body}" ::: CLOBBER);', count, f"{name}\\t"))
     out.append("  return (int)(x & 1) * 0;\n}\n")
     return "\n".join(out)
 
