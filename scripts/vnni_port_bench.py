@@ -2,8 +2,8 @@
 """Throughput of the AVX-512 instructions the int8 kernels are made of, alone and mixed, on this
 CPU: the hardware ceiling of ``vpdpbusd`` (GOPS per core) and what the requantize epilogue takes
 from it. Each mix is a loop of independent instructions in inline assembly (16 destination
-registers, so no dependency chain limits it), built by gcc and timed; the clock comes from a
-chain of dependent scalar adds (one per cycle).
+registers, or 16 slots of a 4 KiB buffer for the stores, so no dependency chain limits it),
+built by gcc and timed; the clock comes from a chain of dependent scalar adds (one per cycle).
 
 Usage: .venv/bin/python scripts/vnni_port_bench.py [--iters N] [--cpus 0 1]
 
@@ -33,6 +33,21 @@ OPS = {
     "vpmovzxbd": "vpmovzxbd %%xmm31, %%zmmD",
     "vpsllq": "vpsllq $2, %%zmm31, %%zmmD",
     "vpmadd52luq": "vpmadd52luq %%zmm30, %%zmm31, %%zmmD",
+    "vpaddsw": "vpaddsw %%zmm30, %%zmm31, %%zmmD",
+    "vpackuswb": "vpackuswb %%zmm30, %%zmm31, %%zmmD",
+    "vpshufd{k}": "vpshufd $0xf5, %%zmm31, %%zmmD%{%%k1%}",
+    "vpmulld": "vpmulld %%zmm30, %%zmm31, %%zmmD",
+    "vmulps": "vmulps %%zmm30, %%zmm31, %%zmmD",
+    "vfmadd231pd": "vfmadd231pd %%zmm30, %%zmm31, %%zmmD",
+    "vcvtdq2ps": "vcvtdq2ps %%zmm31, %%zmmD",
+    "vcvtdq2pd": "vcvtdq2pd %%ymm31, %%zmmD",
+    "vcvtpd2dq": "vcvtpd2dq %{rd-sae%}, %%zmm31, %%ymmD",
+    "vinserti64x4": "vinserti64x4 $1, %%ymm30, %%zmm31, %%zmmD",
+    # stores into a 4 KiB buffer (%0), 64 bytes apart
+    "store zmm": "vmovdqa64 %%zmm30, OFS(%0)",
+    "store ymm": "vmovdqa64 %%ymm30, OFS(%0)",
+    "store xmm": "vmovdqa64 %%xmm30, OFS(%0)",
+    "store r64": "mov %0, OFS(%0)",
 }
 
 
@@ -62,8 +77,19 @@ MIXES: list[tuple[str, list[tuple[str, int]]]] = [
     ("vpdpbusd + vpmovzxbd", [("vpdpbusd", 8), ("vpmovzxbd", 8)]),
     ("vpdpbusd + vpsllq", [("vpdpbusd", 8), ("vpsllq", 8)]),
     ("vpdpbusd + vpermd", [("vpdpbusd", 8), ("vpermd", 8)]),
-    *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in ("vpermb", "vpmadd52luq")
-      if NEEDS[op] in _FLAGS),
+    *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)])
+      for op in ("vpermb", "vpermt2b", "vpmadd52luq") if NEEDS[op] in _FLAGS),
+    *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in (
+        "vpaddsw", "vpackuswb", "vpshufd{k}", "vpmulld", "vmulps", "vfmadd231pd", "vcvtdq2ps",
+        "vcvtdq2pd", "vcvtpd2dq", "vinserti64x4", "store zmm", "store ymm", "store xmm",
+        "store r64")),
+    # the two shifts of the requantize share one pipe
+    ("vpsrlq + vpsravd", [("vpsrlq", 8), ("vpsravd", 8)]),
+    # the lean requantize of four vectors (64 outputs) and their byte pack, no sums: bound by
+    # the two 512-bit operations a cycle the core issues, not by the vpdpbusd pipe
+    ("lean epilogue (64 outputs)", [("vpmuldq", 8), ("vpsrlq", 4), ("vpshufd{k}", 4),
+                                     ("vpaddd", 4), ("vpsravd", 4), ("vpackssdw", 2),
+                                     ("vpackuswb", 1), ("vpermd", 1)]),
     # a 1x1 conv with K = 16 per 16 outputs: 4 vpdpbusd, then the exact requantize (odd lanes
     # down, two 32x32->64 products, high halves merged, rounding, shift) and a quarter of the
     # byte packs and their reorder
@@ -84,6 +110,7 @@ static double now(void) {
   clock_gettime(CLOCK_MONOTONIC, &t);
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
+static char sink[4096] __attribute__((aligned(64)));
 #define CLOBBER "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7","xmm8","xmm9", \
   "xmm10","xmm11","xmm12","xmm13","xmm14","xmm15"
 int main(int argc, char** argv) {
@@ -96,7 +123,8 @@ int main(int argc, char** argv) {
   }
   double t, v, best;
   long x = 1;
-  __asm__ volatile("vpternlogd $0xff, %%zmm29, %%zmm29, %%zmm29" ::: "xmm29");
+  __asm__ volatile("vpternlogd $0xff, %%zmm29, %%zmm29, %%zmm29\n\tmovw $0x5555, %%ax\n\t"
+                   "kmovw %%eax, %%k1" ::: "xmm29", "rax", "k1");
 """
 # the clock: a chain of dependent scalar adds, one per cycle
 CLOCK = ('__asm__ volatile("add %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0\\n\\t'
@@ -126,7 +154,7 @@ def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
                     d, acc = acc % 8, acc + 1
                 else:
                     d, other = 8 + other % 8, other + 1
-                lines.append(OPS[op].replace("zmmD", f"zmm{d}"))
+                lines.append(OPS[op].replace("mmD", f"mm{d}").replace("OFS", str(64 * d)))
     return "\\n\\t".join(lines), len(lines)
 
 
@@ -134,7 +162,8 @@ def source() -> str:
     out = [HEAD, _timed(CLOCK, 8, "clock ")]
     for name, mix in MIXES:
         body, count = _body(mix)
-        out.append(_timed(f'__asm__ volatile("{body}" ::: CLOBBER);', count, f"{name}\\t"))
+        out.append(_timed(f'__asm__ volatile("{body}" :: "r"(sink) : CLOBBER, "memory");',
+                          count, f"{name}\\t"))
     out.append("  return (int)(x & 1) * 0;\n}\n")
     return "\n".join(out)
 
@@ -144,8 +173,8 @@ def run(iters: int, cpus: list[int]) -> list[dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="qcompile-ports-") as tmp:
         src, exe = Path(tmp) / "ports.c", Path(tmp) / "ports"
         src.write_text(source())
-        subprocess.run(["gcc", "-O2", "-mavx512f", "-mavx512bw", "-mavx512vnni", str(src), "-o",
-                        str(exe)], check=True)
+        subprocess.run(["gcc", "-O2", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni",
+                        str(src), "-o", str(exe)], check=True)
         procs = [subprocess.Popen([str(exe), str(iters), str(c)], stdout=subprocess.PIPE,
                                   text=True) for c in cpus]
         outs = [p.communicate(timeout=600)[0] for p in procs]
