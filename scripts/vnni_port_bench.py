@@ -37,6 +37,7 @@ OPS = {
     "vpackuswb": "vpackuswb %%zmm30, %%zmm31, %%zmmD",
     "vpshufd{k}": "vpshufd $0xf5, %%zmm31, %%zmmD%{%%k1%}",
     "vpmulld": "vpmulld %%zmm30, %%zmm31, %%zmmD",
+    "vpshrdd": "vpshrdd $8, %%zmm30, %%zmm31, %%zmmD",
     "vmulps": "vmulps %%zmm30, %%zmm31, %%zmmD",
     "vfmadd231pd": "vfmadd231pd %%zmm30, %%zmm31, %%zmmD",
     "vcvtdq2ps": "vcvtdq2ps %%zmm31, %%zmmD",
@@ -60,7 +61,8 @@ def _cpu_flags() -> set[str]:
 
 # the ops that need more than AVX-512 VNNI (the /proc/cpuinfo flag): timed only where the host
 # has it (the flags read once)
-NEEDS = {"vpermt2b": "avx512vbmi", "vpermb": "avx512vbmi", "vpmadd52luq": "avx512ifma"}
+NEEDS = {"vpermt2b": "avx512vbmi", "vpermb": "avx512vbmi", "vpmadd52luq": "avx512ifma",
+         "vpshrdd": "avx512_vbmi2"}
 _FLAGS = _cpu_flags()
 
 # (name, [(op, count), ...]): the instructions of one step, repeated; per 16 outputs where it
@@ -78,7 +80,7 @@ MIXES: list[tuple[str, list[tuple[str, int]]]] = [
     ("vpdpbusd + vpsllq", [("vpdpbusd", 8), ("vpsllq", 8)]),
     ("vpdpbusd + vpermd", [("vpdpbusd", 8), ("vpermd", 8)]),
     *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)])
-      for op in ("vpermb", "vpermt2b", "vpmadd52luq") if NEEDS[op] in _FLAGS),
+      for op in ("vpermb", "vpermt2b", "vpmadd52luq", "vpshrdd") if NEEDS[op] in _FLAGS),
     *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in (
         "vpaddsw", "vpackuswb", "vpshufd{k}", "vpmulld", "vmulps", "vfmadd231pd", "vcvtdq2ps",
         "vcvtdq2pd", "vcvtpd2dq", "vinserti64x4", "store zmm", "store ymm", "store xmm",
