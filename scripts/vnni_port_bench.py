@@ -175,8 +175,8 @@ def run(iters: int, cpus: list[int]) -> list[dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="qcompile-ports-") as tmp:
         src, exe = Path(tmp) / "ports.c", Path(tmp) / "ports"
         src.write_text(source())
-        subprocess.run(["gcc", "-O2", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni",
-                        str(src), "-o", str(exe)], check=True)
+        subprocess.run(["gcc", "-O2", "-mavx512f", "-mavx512bw", "-mavx512vnni", str(src), "-o",
+                        str(exe)], check=True)
         procs = [subprocess.Popen([str(exe), str(iters), str(c)], stdout=subprocess.PIPE,
                                   text=True) for c in cpus]
         outs = [p.communicate(timeout=600)[0] for p in procs]
