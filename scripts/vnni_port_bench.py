@@ -49,6 +49,11 @@ OPS = {
     "store ymm": "vmovdqa64 %%ymm30, OFS(%0)",
     "store xmm": "vmovdqa64 %%xmm30, OFS(%0)",
     "store r64": "mov %0, OFS(%0)",
+    # loads from the same buffer
+    "load zmm": "vmovdqa64 OFS(%0), %%zmmD",
+    "load ymm": "vmovdqa64 OFS(%0), %%ymmD",
+    "vpbroadcastd (mem)": "vpbroadcastd OFS(%0), %%zmmD",
+    "vpdpbusd (mem)": "vpdpbusd OFS(%0), %%zmm31, %%zmmD",
 }
 
 
@@ -84,7 +89,9 @@ MIXES: list[tuple[str, list[tuple[str, int]]]] = [
     *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in (
         "vpaddsw", "vpackuswb", "vpshufd{k}", "vpmulld", "vmulps", "vfmadd231pd", "vcvtdq2ps",
         "vcvtdq2pd", "vcvtpd2dq", "vinserti64x4", "store zmm", "store ymm", "store xmm",
-        "store r64")),
+        "store r64", "load zmm", "vpbroadcastd (mem)")),
+    # the weights as vpdpbusd's memory operand: one 512-bit load per vpdpbusd
+    ("vpdpbusd (mem) + vpbroadcastd (mem)", [("vpdpbusd (mem)", 8), ("vpbroadcastd (mem)", 2)]),
     # the two shifts of the requantize share one pipe
     ("vpsrlq + vpsravd", [("vpsrlq", 8), ("vpsravd", 8)]),
     # the lean requantize of four vectors (64 outputs) and their byte pack, no sums: bound by
@@ -152,7 +159,7 @@ def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
     for _ in range(repeat):
         for op, count in mix:
             for _ in range(count):
-                if op == "vpdpbusd":
+                if op.startswith("vpdpbusd"):
                     d, acc = acc % 8, acc + 1
                 else:
                     d, other = 8 + other % 8, other + 1
@@ -199,7 +206,7 @@ def table(rows: list[dict[str, float]]) -> str:
         rate = min(r[name] for r in rows)                  # G instructions / s, slowest CPU
         steps = sum(c for _, c in mix)                     # instructions per step
         ipc = rate / clock
-        dp = sum(c for op, c in mix if op == "vpdpbusd")
+        dp = sum(c for op, c in mix if op.startswith("vpdpbusd"))
         gops = rate * dp / steps * 128 if dp else 0.0      # 64 u8 x s8 MACs each
         lines.append(f"| {name} | {ipc:.2f} | {steps / ipc:.2f} | "
                      f"{f'{gops:.0f}' if dp else '-'} |")
