@@ -70,26 +70,29 @@ NEEDS = {"vpermt2b": "avx512vbmi", "vpermb": "avx512vbmi", "vpmadd52luq": "avx51
          "vpshrdd": "avx512_vbmi2"}
 _FLAGS = _cpu_flags()
 
+# each op beside vpdpbusd, one to one: what it takes from the vpdpbusd pipe
+PAIRED = ("vpmuldq", "vpaddd", "vpsrlq", "vpshufd", "vpackssdw", "vpsravd", "vpmovzxbd",
+          "vpsllq", "vpermd", "vpermb", "vpermt2b", "vpmadd52luq", "vpshrdd", "vpaddsw",
+          "vpackuswb", "vpshufd{k}", "vpmulld", "vmulps", "vfmadd231pd", "vcvtdq2ps",
+          "vcvtdq2pd", "vcvtpd2dq", "vinserti64x4", "store zmm", "store ymm", "store xmm",
+          "store r64", "load zmm", "vpbroadcastd (mem)")
+
+
+def _has(op: str) -> bool:
+    """Whether this host runs ``op`` (the ops in NEEDS only where /proc/cpuinfo lists theirs)."""
+    return NEEDS.get(op, "avx512f") in _FLAGS
+
+
+def _is_dp(op: str) -> bool:
+    """Whether ``op`` is a vpdpbusd (register or memory operand)."""
+    return op.startswith("vpdpbusd")
+
+
 # (name, [(op, count), ...]): the instructions of one step, repeated; per 16 outputs where it
 # models a kernel
 MIXES: list[tuple[str, list[tuple[str, int]]]] = [
-    # (vpermt2b, the depthwise kernel's byte interleave, where the CPU has AVX-512 VBMI)
-    *((op, [(op, 16)]) for op in OPS if NEEDS.get(op, "avx512f") in _FLAGS),
-    ("vpdpbusd + vpmuldq", [("vpdpbusd", 8), ("vpmuldq", 8)]),
-    ("vpdpbusd + vpaddd", [("vpdpbusd", 8), ("vpaddd", 8)]),
-    ("vpdpbusd + vpsrlq", [("vpdpbusd", 8), ("vpsrlq", 8)]),
-    ("vpdpbusd + vpshufd", [("vpdpbusd", 8), ("vpshufd", 8)]),
-    ("vpdpbusd + vpackssdw", [("vpdpbusd", 8), ("vpackssdw", 8)]),
-    ("vpdpbusd + vpsravd", [("vpdpbusd", 8), ("vpsravd", 8)]),
-    ("vpdpbusd + vpmovzxbd", [("vpdpbusd", 8), ("vpmovzxbd", 8)]),
-    ("vpdpbusd + vpsllq", [("vpdpbusd", 8), ("vpsllq", 8)]),
-    ("vpdpbusd + vpermd", [("vpdpbusd", 8), ("vpermd", 8)]),
-    *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)])
-      for op in ("vpermb", "vpermt2b", "vpmadd52luq", "vpshrdd") if NEEDS[op] in _FLAGS),
-    *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in (
-        "vpaddsw", "vpackuswb", "vpshufd{k}", "vpmulld", "vmulps", "vfmadd231pd", "vcvtdq2ps",
-        "vcvtdq2pd", "vcvtpd2dq", "vinserti64x4", "store zmm", "store ymm", "store xmm",
-        "store r64", "load zmm", "vpbroadcastd (mem)")),
+    *((op, [(op, 16)]) for op in OPS if _has(op)),
+    *((f"vpdpbusd + {op}", [("vpdpbusd", 8), (op, 8)]) for op in PAIRED if _has(op)),
     # the weights as vpdpbusd's memory operand: one 512-bit load per vpdpbusd
     ("vpdpbusd (mem) + vpbroadcastd (mem)", [("vpdpbusd (mem)", 8), ("vpbroadcastd (mem)", 2)]),
     # the two shifts of the requantize share one pipe
@@ -159,7 +162,7 @@ def _body(mix: list[tuple[str, int]], repeat: int = 4) -> tuple[str, int]:
     for _ in range(repeat):
         for op, count in mix:
             for _ in range(count):
-                if op.startswith("vpdpbusd"):
+                if _is_dp(op):
                     d, acc = acc % 8, acc + 1
                 else:
                     d, other = 8 + other % 8, other + 1
@@ -206,7 +209,7 @@ def table(rows: list[dict[str, float]]) -> str:
         rate = min(r[name] for r in rows)                  # G instructions / s, slowest CPU
         steps = sum(c for _, c in mix)                     # instructions per step
         ipc = rate / clock
-        dp = sum(c for op, c in mix if op.startswith("vpdpbusd"))
+        dp = sum(c for op, c in mix if _is_dp(op))
         gops = rate * dp / steps * 128 if dp else 0.0      # 64 u8 x s8 MACs each
         lines.append(f"| {name} | {ipc:.2f} | {steps / ipc:.2f} | "
                      f"{f'{gops:.0f}' if dp else '-'} |")
