@@ -52,6 +52,11 @@ SHAPES = {
     "112x112x32-16-1x1": (1, 112, 112, 32, 16, 1, 1, 0, False),
     "56x56x24-144-1x1": (1, 56, 56, 24, 144, 1, 1, 0, False),
     "56x56x144-24-1x1+res": (1, 56, 56, 144, 24, 1, 1, 0, True),
+    # F = 24 and 8 as pixel pairs (ConvShape.pair): mobilenet_v2's 96 -> 24 projection, and
+    # odd widths (a pair across a row's end) with padding and a residual
+    "56x56x96-24-1x1": (1, 56, 56, 96, 24, 1, 1, 0, False),
+    "7x9x20-24-3x3+res": (2, 7, 9, 20, 24, 3, 1, 1, True),
+    "5x7x12-8-1x1": (1, 5, 7, 12, 8, 1, 1, 0, False),
     "28x28x32-192-1x1": (1, 28, 28, 32, 192, 1, 1, 0, False),
     "14x14x384-64-1x1": (1, 14, 14, 384, 64, 1, 1, 0, False),
     "7x7x960-160-1x1": (1, 7, 7, 960, 160, 1, 1, 0, False),
@@ -104,7 +109,7 @@ def build(source: Path, tmp: Path, flags: tuple[str, ...] | None = None) -> ctyp
     return lib
 
 
-def layer(name, spec, out, rng, *, wide=False, lut=False):
+def layer(name, spec, out, rng, *, wide=False, lut=False, pairs=True):
     n, h, w, c, f, k, s, p, res = spec
     cp = ukernel.padded_channels(c)
     hp, wp = h + 2 * p, w + 2 * p
@@ -135,7 +140,8 @@ def layer(name, spec, out, rng, *, wide=False, lut=False):
         m0 = np.full(f, 2**31 - 1)
     m1 = rng.integers(2**30, 2**31, f).astype(np.int64) if res else None
     zres = 5
-    shp = ukernel.ConvShape(n, hp, wp, cp, f, k, k, s, s, 1, 1, oh, ow)
+    shp = ukernel.ConvShape(n, hp, wp, cp, f, k, k, s, s, 1, 1, oh, ow,
+                            pair=pairs and ukernel.pairs_fit(f))
     zout, qmin, qmax = out
     lo = -128 if qmax <= 127 else 0           # the output dtype's low end
     table = rng.integers(lo, lo + 256, 256).astype(np.int64) if lut else None
@@ -156,7 +162,8 @@ def layer(name, spec, out, rng, *, wide=False, lut=False):
         ref = table[ref - lo]
     ref = ref.astype(np.int64).astype(np.uint8).view(np.int8)
     macs = n * oh * ow * f * k * k * c
-    return dict(x=x, w=ukernel.pack_weights(wv), p=params, r=r, shp=shp, ref=ref, macs=macs)
+    return dict(x=x, w=ukernel.pack_weights(wv, shp.pair), p=params, r=r, shp=shp, ref=ref,
+                macs=macs)
 
 
 def run(lib, L, reps):
@@ -176,14 +183,23 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--wide", action="store_true", help="force the i64 (wide) epilogue")
+    ap.add_argument("--pairs", choices=("on", "off", "both"), default="on",
+                    help="F = 8 or 24 as pixel pairs (ConvShape.pair); both: each such shape "
+                    "twice, pairs off first")
     args = ap.parse_args()
-    rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(s, Path(tmp)) for s in args.source]
         print("| shape | " + " | ".join(f"{s.name} ms (GOPS)" for s in args.source) + " |")
         print("|---" * (len(libs) + 1) + "|")
+        runs = []
         for i, name in enumerate(args.shapes):
-            L = layer(name, SHAPES[name], OUTPUTS[i % len(OUTPUTS)], rng, wide=args.wide)
+            fits = ukernel.pairs_fit(SHAPES[name][4])
+            modes = [False, True] if args.pairs == "both" and fits else [args.pairs != "off"]
+            runs += [(i, name, m) for m in modes]
+        for i, name, pairs in runs:
+            L = layer(name, SHAPES[name], OUTPUTS[i % len(OUTPUTS)], np.random.default_rng(i),
+                      wide=args.wide, pairs=pairs)
+            name += " (pairs)" if L["shp"].pair else ""
             cells = []
             for lib in libs:
                 y, t = run(lib, L, args.reps)

@@ -413,6 +413,50 @@ def test_shared_outputs__written_bordered_once_and_read_in_place_bit_exact():
     assert model.report["compile"]["ukernel"]["chains"] == {"1": 9, "4": 9}
 
 
+class _PairBlocks(torch.nn.Module):
+    """24- and 8-channel convs (pixel pairs) on odd widths: a stem whose output is bordered for
+    the padded convs reading it and read from that border as a residual, and a last pixel alone
+    at each image's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = torch.nn.Conv2d
+        self.stem, self.a1 = conv(3, 24, 3, padding=1), conv(24, 24, 3, padding=1)
+        self.a2, self.p = conv(24, 24, 3, padding=1), conv(24, 8, 1)
+        self.b = conv(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        relu = torch.relu
+        x = relu(self.stem(x))
+        y = relu(self.a2(relu(self.a1(x))) + x)
+        z = self.b(relu(self.p(y)))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(z, 1), 1))
+
+
+@needs_vnni
+def test_pixel_pairs__24_and_8_channel_convs_bit_exact_across_borders_and_row_ends():
+    from qcompile.codegen.mlir_emit import EmitOptions, emit
+    from qcompile.frontend.quantize import quantize
+    from qcompile.reference.program import lower
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 7, 11, generator=gen),) for _ in range(3)]
+    q = quantize(_PairBlocks().eval(), batches[0], batches, QCOMPILE)
+    _, em = emit(lower(q, 4).graph, EmitOptions(ukernel_convs=True))
+    convs = {c.loc.split(" ", 1)[1]: c.shape for c in em.uk_calls if c.loc and c.quantize is None
+             and "conv" in c.loc}
+    stem, a2, p, b = (convs[k] for k in ("stem conv2d", "a2 conv2d_2", "p conv2d_3",
+                                         "b conv2d_4"))
+    assert stem.pair and a2.pair and p.pair and b.pair and (stem.fp, b.fp) == (48, 16)
+    assert stem.out_pad == (1, 1) and a2.res_pad == (1, 1)   # pairs through the buffer
+    model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False,
+                                          ukernel_convs=True))
+    _assert_bit_exact(model, batches[1][0])
+    assert model.report["compile"]["ukernel"]["chains"] == {"1": 6, "4": 6}   # and the fc
+
+
 @needs_vnni
 def test_port_bench__every_mix_timed_at_a_plausible_rate():
     spec = importlib.util.spec_from_file_location(

@@ -312,7 +312,8 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
                 xp = b.pad(x, [0, ph, pw, 0], [0, ph, pw, cp - c], b.ci(zp, 8))
         s = ukernel.ConvShape(nb, h + 2 * ph, wd + 2 * pw, cp, f, kh, kw, sh, sw, dh, dw,
                               rq_node.shape[1], rq_node.shape[2], depthwise=depthwise,
-                              x_off=x_off, xstep=xstep)
+                              x_off=x_off, xstep=xstep,
+                              pair=ukernel.pairs_fit(f, depthwise))
     # (a depthwise kernel writes no border for its readers)
     border = out_border(em, rq_node) if conv.op is Op.QCONV2D and not s.depthwise else None
     # a table that reads only this requantize: the kernel stores the table's entries
@@ -328,7 +329,8 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         s = replace(s, res_pad=res_in[1])
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
     extra: dict[str, Any] = {}
-    packed = ukernel.pack_dw_weights(w[..., 0]) if s.depthwise else ukernel.pack_weights(w)
+    packed = (ukernel.pack_dw_weights(w[..., 0]) if s.depthwise
+              else ukernel.pack_weights(w, s.pair))
     operands = [_flat(xp), b.constant(packed, DType.I8)]
     if res is not None:
         extra = dict(m1=np.asarray(rq.terms[1].multiplier, np.int64),

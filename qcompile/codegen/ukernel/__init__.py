@@ -47,7 +47,7 @@ def cflags() -> tuple[str, ...]:
     return BASE_CFLAGS + (("-mavx512vbmi",) if host_has_vbmi() else ())
 
 
-HEADER = 36
+HEADER = 37
 H_NARROW = 24       # header slot: the narrow (32-bit lane) epilogue's split k (0: i64 lanes)
 H_ZFOLD = 29        # header slot: the output zero point is folded into its rounding term
 H_FLOAT = 30        # header slot: a dequantize (f32 out, f32 residual)
@@ -130,6 +130,10 @@ class ConvShape:
     # runs as one column (kw 1) over ``c = padded_channels(KW * xstep)`` bytes of each kernel
     # row (:func:`packed_stem`)
     xstep: int = 0
+    # pixel pairs (:func:`pairs_fit`): F = 8 or 24 output channels computed two pixels at a
+    # time as 2F "virtual" channels (the first pixel's F, then the second's), so that no vector
+    # is half empty; weights and per-channel tables are packed for the 2F
+    pair: bool = False
 
     @property
     def in_size(self) -> int:
@@ -147,6 +151,8 @@ class ConvShape:
 
     @property
     def fp(self) -> int:
+        if self.pair:
+            return 2 * self.f
         return -(-self.f // self.f_round) * self.f_round
 
     @property
@@ -158,7 +164,10 @@ class ConvShape:
         """Output pixels per workgroup (flattened over the output rows): about one row's
         worth, a multiple of the kernel's 6-pixel tile, so that a row whose width is no multiple
         of 6 does not end in a short tile; a depthwise conv's is two output rows."""
-        return 2 * self.ow if self.depthwise else 6 * -(-self.ow // 6)
+        if self.depthwise:
+            return 2 * self.ow
+        tile = 12 if self.pair else 6        # (pairs: 6 pairs a tile)
+        return tile * -(-self.ow // tile)
 
     @property
     def chunks(self) -> int:
@@ -217,9 +226,19 @@ def packed_stem(c: int, kw: int, w: int, dilation: int) -> bool:
             and w <= Q_MAX_W and host_has_vbmi())
 
 
-def pack_weights(w: np.ndarray) -> np.ndarray:
+def pairs_fit(f: int, depthwise: bool = False) -> bool:
+    """Whether a conv of ``f`` output channels runs as pixel pairs (:attr:`ConvShape.pair`):
+    F = 8 or 24, whose last 16-channel vector a pixel alone would fill half (a 24-channel
+    projection then takes 3 vectors per two pixels instead of 4)."""
+    return not depthwise and f in (8, 24)
+
+
+def pack_weights(w: np.ndarray, pair: bool = False) -> np.ndarray:
     """``w[F, KH, KW, C]`` (s8, OHWI) → the kernel's layout: per block of 64 output channels
-    ``[KH, KW, C/4, channels, 4]`` (channels padded to 16 and C to 4 with zeros)."""
+    ``[KH, KW, C/4, channels, 4]`` (channels padded to 16 and C to 4 with zeros). ``pair``: the
+    2F virtual channels of pixel pairs (:attr:`ConvShape.pair`), the filters twice."""
+    if pair:
+        w = np.concatenate([w, w])
     f, kh, kw, c = w.shape
     cp, fp = padded_channels(c), -(-f // 16) * 16
     wz = np.zeros((fp, kh, kw, cp), np.int8)
@@ -286,10 +305,13 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     u8 × s8 sum over the window."""
     fp = s.fp
 
+    copies = 2 if s.pair else 1        # pixel pairs: the tables of the 2F virtual channels
+
     def chan(v: np.ndarray | int | None, fill: int = 0) -> np.ndarray:
         out = np.full(fp, fill, np.int64)
         if v is not None:
-            out[:s.f] = np.broadcast_to(np.asarray(v, np.int64), (s.f,))
+            out[:copies * s.f] = np.tile(np.broadcast_to(np.asarray(v, np.int64), (s.f,)),
+                                         copies)
         return out
 
     shift_c = chan(shift, 1)
@@ -327,7 +349,7 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
               int(m1 is not None or float_residual), int(res_signed), zout, qmin,
               qmax, s.n, s.wstride, s.chunk, *s.out_pad, s.out_fill, k, res_zp,
               int(signed), int(clamp_lo), int(clamp_hi), int(zfold), int(floating),
-              int(lut is not None), s.x_off, *s.res_pad, s.xstep]
+              int(lut is not None), s.x_off, *s.res_pad, s.xstep, int(s.pair)]
     # the narrow epilogue's tables (i32, fp each): bias; m0 and m1, each also shifted down by
     # one channel (the odd channels' multipliers in the even dwords that vpmuldq reads); the
     # rounding term 2^(s-1-k) (+ zp · 2^(s-k) where it folds); s - k. Zeros where the wide
@@ -339,7 +361,8 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
                   i32(round32), i32(sh_k - k)]
     elif floating:
         p = np.ones(fp, np.float32)
-        p[:s.f] = np.broadcast_to(np.asarray(dequant_scale, np.float32), (s.f,))
+        p[:copies * s.f] = np.tile(np.broadcast_to(np.asarray(dequant_scale, np.float32),
+                                                   (s.f,)), copies)
         tables = [p.view(np.int64), np.zeros(6 * fp // 2, np.int64)]
     else:
         tables = [np.zeros(7 * fp // 2, np.int64)]

@@ -29,8 +29,8 @@ enum {
   H_HP, H_WP, H_C, H_KH, H_KW, H_SH, H_SW, H_DH, H_DW, H_OH, H_OW, H_F, H_FP,
   H_RES, H_RES_SIGNED, H_ZOUT, H_QMIN, H_QMAX, H_N, H_WSTRIDE, H_CHUNK, H_YPT, H_YPL,
   H_YFILL, H_NARROW, H_RES_ZP, H_SIGNED, H_CLAMP_LO, H_CLAMP_HI, H_ZFOLD, H_FLOAT, H_LUT,
-  H_XOFF, H_RPT, H_RPL, H_XSTEP,
-  HEADER = 36
+  H_XOFF, H_RPT, H_RPL, H_XSTEP, H_PAIR,
+  HEADER = 37
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -71,6 +71,50 @@ INLINE void tile(const conv_args* a, const uint8_t* const* xs, __m512i acc[6][4]
       }
     }
   }
+}
+
+// Accumulators of 6 pixel pairs x NR*16 virtual channels (H_PAIR: F = 8 NR, NR 1 or 3, and
+// 2F virtual channels: v < F is channel v of the pair's first pixel xs[m], v >= F channel v - F
+// of its second xt[m]). Vector NR/2 holds the first pixel's last 8 channels in its low lanes
+// and the second's first 8 in its high lanes (one blend of the two broadcasts), the vectors
+// before it the first pixel's, after it the second's: every lane real, where one pixel alone
+// would leave half a vector empty.
+INLINE void tile_pair(const conv_args* a, const uint8_t* const* xs, const uint8_t* const* xt,
+                      __m512i acc[6][4], int NR, const int32_t* init) {
+#pragma GCC unroll 6
+  for (int m = 0; m < 6; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j)
+      acc[m][j] = init ? _mm512_loadu_si512((const void*)(init + 16 * j)) : _mm512_setzero_si512();
+  const int8_t* w = a->w;
+  const int64_t quads = a->c >> 2;
+  for (int64_t i = 0; i < a->kh; ++i) {
+    for (int64_t k = 0; k < a->kw; ++k) {
+      const int64_t off = i * a->dh * a->row + k * a->dw * a->xstep;
+      for (int64_t q = 0; q < quads; ++q) {
+        __m512i wv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + 64 * j));
+        w += 64 * NR;
+#pragma GCC unroll 6
+        for (int m = 0; m < 6; ++m) {
+          const __m512i x0 = _mm512_set1_epi32(*(const int32_t*)(xs[m] + off + 4 * q));
+          const __m512i x1 = _mm512_set1_epi32(*(const int32_t*)(xt[m] + off + 4 * q));
+          const __m512i xm = _mm512_mask_blend_epi32((__mmask16)0xFF00, x0, x1);
+#pragma GCC unroll 4
+          for (int j = 0; j < NR; ++j)
+            acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], j < NR / 2 ? x0 : j == NR / 2 ? xm : x1,
+                                            wv[j]);
+        }
+      }
+    }
+  }
+  // (each accumulator in a register here: without this gcc 12 copied the lean form's
+  // accumulators between registers and the stack on every quad, 1.3x slower)
+#pragma GCC unroll 6
+  for (int m = 0; m < 6; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) __asm__("" : "+v"(acc[m][j]));
 }
 
 typedef struct {
@@ -373,12 +417,11 @@ INLINE __m512i with_terms(__m512i v, const terms_args* t, int m, __m512i col) {
   return t ? _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col) : v;
 }
 
-INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
-                     const uint8_t* const* xs, int64_t c0, int64_t f,
-                     const uint8_t* const* rs, uint8_t* const* ys, int MR, int NR,
-                     const int lean) {
-  __m512i acc[6][4];
-  tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
+// The epilogue of a tile's accumulators: MR pixels (or pixel pairs) x NR*16 channels from c0
+// of f, each pixel's outputs (and residual) at ys[m] (rs[m]).
+INLINE void tile_epilogue(__m512i acc[6][4], const epi_args* e, const terms_args* t, int64_t c0,
+                          int64_t f, const uint8_t* const* rs, uint8_t* const* ys, int MR,
+                          int NR, const int lean) {
   if (lean) {             // the tables of each 16 channels once for the tile's pixels
     const int64_t real = f - c0 < 16 * NR ? f - c0 : 16 * NR;   // channels of this block
     if (real > 16 * (NR - 1)) {
@@ -430,6 +473,15 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
     }
 }
 
+INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
+                     const uint8_t* const* xs, int64_t c0, int64_t f,
+                     const uint8_t* const* rs, uint8_t* const* ys, int MR, int NR,
+                     const int lean) {
+  __m512i acc[6][4];
+  tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
+  tile_epilogue(acc, e, t, c0, f, rs, ys, MR, NR, lean);
+}
+
 #define TILE_CASE(MR, NR) \
   case MR:                                                                                \
     switch (lean) {                                                                       \
@@ -470,6 +522,41 @@ static const tile6_fn TILE6_FNS[4][8] = {
     {tile6_2_0, tile6_2_1, 0, tile6_2_3, 0, tile6_2_5, 0, tile6_2_7},
     {tile6_3_0, tile6_3_1, 0, tile6_3_3, 0, tile6_3_5, 0, tile6_3_7},
     {tile6_4_0, tile6_4_1, 0, tile6_4_3, 0, tile6_4_5, 0, tile6_4_7}};
+
+// A whole tile of 6 pixel pairs (H_PAIR) for each block width (1 or 3 vectors) and form
+typedef void (*tilep_fn)(const conv_args*, const epi_args*, const uint8_t* const*,
+                         const uint8_t* const*, int64_t, int64_t, const uint8_t* const*,
+                         uint8_t* const*);
+#define TILEP(NR, LEAN_MODE, NAME)                                                        \
+  static __attribute__((noinline)) void NAME(                                             \
+      const conv_args* a, const epi_args* e, const uint8_t* const* xs,                    \
+      const uint8_t* const* xt, int64_t c0, int64_t f, const uint8_t* const* rs,          \
+      uint8_t* const* ys) {                                                               \
+    __m512i acc[6][4];                                                                    \
+    tile_pair(a, xs, xt, acc, NR, e->narrow ? e->bias32 + c0 : 0);                        \
+    tile_epilogue(acc, e, 0, c0, f, rs, ys, 6, NR, LEAN_MODE);                            \
+  }
+#define TILEP_NR(NR)                                                                      \
+  TILEP(NR, 0, tilep_##NR##_0)                                                            \
+  TILEP(NR, LEAN, tilep_##NR##_1)                                                         \
+  TILEP(NR, LEAN | LEAN_RES, tilep_##NR##_3)                                              \
+  TILEP(NR, LEAN | LEAN_K, tilep_##NR##_5)                                                \
+  TILEP(NR, LEAN | LEAN_RES | LEAN_K, tilep_##NR##_7)
+TILEP_NR(1)
+TILEP_NR(3)
+// [NR / 2][lean]
+static const tilep_fn TILEP_FNS[2][8] = {
+    {tilep_1_0, tilep_1_1, 0, tilep_1_3, 0, tilep_1_5, 0, tilep_1_7},
+    {tilep_3_0, tilep_3_1, 0, tilep_3_3, 0, tilep_3_5, 0, tilep_3_7}};
+
+// n bytes (up to a few hundred) from s to d
+INLINE void copy_bytes(uint8_t* d, const uint8_t* s, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64) {
+    const int64_t k = n - i < 64 ? n - i : 64;
+    const __mmask64 m = k == 64 ? ~(__mmask64)0 : (((__mmask64)1 << k) - 1);
+    _mm512_mask_storeu_epi8((void*)(d + i), m, _mm512_maskz_loadu_epi8(m, (const void*)(s + i)));
+  }
+}
 
 // a short tile (mr < 6 pixels: a chunk's last), through a switch on mr and the form
 #define TILES(NR)                                                                         \
@@ -598,6 +685,57 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   uint8_t* yp = ybase + ((oy + pt) * owp + ox + pl) * fe;
   int64_t roff = ((oy + rpt) * owr + ox + rpl) * fe;
   const int64_t xwrap = sh_row - ow * sw_c, ywrap = 2 * pl * fe, rwrap = 2 * rpl * fe;
+  if (h[H_PAIR]) {
+    // Pixel pairs (H_PAIR, tile_pair): a pair's 2F outputs are one run of 2F elements where
+    // its second pixel follows the first in the output (and residual); across a row's border,
+    // or for a last pixel alone, the pair goes through a buffer. Pairs past the chunk's end
+    // compute on the first input pixel into the buffer.
+    const tilep_fn tp = TILEP_FNS[nr >> 1][lean];
+    for (int64_t p = p0; p < p1; p += 12) {
+      const uint8_t* xs[6];
+      const uint8_t* xt[6];
+      uint8_t* ys[6];
+      const uint8_t* rs[6];
+      uint8_t* scatter[6][2];       // a buffered pair's pixels (0: none, or not buffered)
+      _Alignas(64) uint8_t ybuf[6][256];
+      _Alignas(64) uint8_t rbuf[6][256];
+      for (int m = 0; m < 6; ++m) {
+        const uint8_t* px[2] = {a.x, a.x};
+        uint8_t* py[2] = {0, 0};
+        const uint8_t* pr[2] = {rbase, rbase};
+        for (int u = 0; u < 2 && p + 2 * m + u < p1; ++u) {
+          px[u] = xp;
+          py[u] = yp;
+          pr[u] = rbase + roff;
+          xp += sw_c;
+          yp += fe;
+          roff += fe;
+          if (++ox == ow) { ox = 0; xp += xwrap; yp += ywrap; roff += rwrap; }
+        }
+        xs[m] = px[0];
+        xt[m] = px[1];
+        scatter[m][0] = scatter[m][1] = 0;
+        if (py[1] && py[1] == py[0] + fe && (!e.res || pr[1] == pr[0] + fe)) {
+          ys[m] = py[0];
+          rs[m] = pr[0];
+          continue;
+        }
+        ys[m] = ybuf[m];
+        scatter[m][0] = py[0];
+        scatter[m][1] = py[1];
+        rs[m] = rbuf[m];
+        if (e.res) {
+          if (py[0]) copy_bytes(rbuf[m], pr[0], fe);
+          if (py[1]) copy_bytes(rbuf[m] + fe, pr[1], fe);
+        }
+      }
+      tp(&a, &e, xs, xt, c0, 2 * f, e.res ? rs : 0, ys);
+      for (int m = 0; m < 6; ++m)
+        for (int u = 0; u < 2; ++u)
+          if (scatter[m][u]) copy_bytes(scatter[m][u], ybuf[m] + u * fe, fe);
+    }
+    return;
+  }
   const tile6_fn tile6 = TILE6_FNS[nr - 1][lean];
   for (int64_t p = p0; p < p1; p += 6) {
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
