@@ -385,19 +385,26 @@ class _ResBlocks(torch.nn.Module):
         return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(w, 1), 1))
 
 
-@needs_vnni
-def test_shared_outputs__written_bordered_once_and_read_in_place_bit_exact():
+def _emitted_convs(module: torch.nn.Module, h: int, w: int):
+    """``module`` quantized on random 3 x h x w images, emitted at batch 4 with the microkernel:
+    (the quantized model, the batches, the emitter, each conv's ConvShape by its loc)."""
     from qcompile.codegen.mlir_emit import EmitOptions, emit
     from qcompile.frontend.quantize import quantize
     from qcompile.reference.program import lower
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 3, 16, 16, generator=gen),) for _ in range(3)]
-    q = quantize(_ResBlocks().eval(), batches[0], batches, QCOMPILE)
+    batches = [(torch.randn(4, 3, h, w, generator=gen),) for _ in range(3)]
+    q = quantize(module.eval(), batches[0], batches, QCOMPILE)
     _, em = emit(lower(q, 4).graph, EmitOptions(ukernel_convs=True))
     convs = {c.loc.split(" ", 1)[1]: c.shape for c in em.uk_calls if c.loc and c.quantize is None
              and "conv" in c.loc}
+    return q, batches, em, convs
+
+
+@needs_vnni
+def test_shared_outputs__written_bordered_once_and_read_in_place_bit_exact():
+    q, batches, em, convs = _emitted_convs(_ResBlocks(), 16, 16)
     stem, a2, b2, down, c2 = (convs[k] for k in ("stem conv2d", "a2 conv2d_2", "b2 conv2d_4",
                                                  "down conv2d_5", "c2 conv2d_7"))
     assert (stem.out_pad, stem.out_fill) == ((1, 1), 0)      # the max pool's border (u8 min)
@@ -436,17 +443,7 @@ class _PairBlocks(torch.nn.Module):
 
 @needs_vnni
 def test_pixel_pairs__24_and_8_channel_convs_bit_exact_across_borders_and_row_ends():
-    from qcompile.codegen.mlir_emit import EmitOptions, emit
-    from qcompile.frontend.quantize import quantize
-    from qcompile.reference.program import lower
-
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 3, 7, 11, generator=gen),) for _ in range(3)]
-    q = quantize(_PairBlocks().eval(), batches[0], batches, QCOMPILE)
-    _, em = emit(lower(q, 4).graph, EmitOptions(ukernel_convs=True))
-    convs = {c.loc.split(" ", 1)[1]: c.shape for c in em.uk_calls if c.loc and c.quantize is None
-             and "conv" in c.loc}
+    q, batches, _, convs = _emitted_convs(_PairBlocks(), 7, 11)
     stem, a2, p, b = (convs[k] for k in ("stem conv2d", "a2 conv2d_2", "p conv2d_3",
                                          "b conv2d_4"))
     assert stem.pair and a2.pair and p.pair and b.pair and (stem.fp, b.fp) == (48, 16)

@@ -45,8 +45,15 @@ typedef struct {
 
 // Accumulators of MR output pixels x NR*16 channels; xs[m]: pixel m's window origin (the
 // pixels of a tile may lie on different output rows).
-INLINE void tile(const conv_args* a, const uint8_t* const* xs, __m512i acc[6][4], int MR,
-                 int NR, const int32_t* init) {
+//
+// Pairs (pixel pairs, H_PAIR: F = 8 NR, NR 1 or 3): row m is the pair xs[m], xt[m] and its
+// vectors hold 2F virtual channels: v < F is channel v of the first pixel, v >= F channel v - F
+// of the second. Vector NR/2 holds the first pixel's last 8 channels in its low lanes and the
+// second's first 8 in its high lanes (one blend of the two broadcasts), the vectors before it
+// the first pixel's, after it the second's: every lane real, where one pixel alone would leave
+// half a vector empty.
+INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* const* xt,
+                 __m512i acc[6][4], int MR, int NR, const int32_t* init, const int pairs) {
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -64,41 +71,12 @@ INLINE void tile(const conv_args* a, const uint8_t* const* xs, __m512i acc[6][4]
         w += 64 * NR;
 #pragma GCC unroll 6
         for (int m = 0; m < MR; ++m) {
-          __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xs[m] + off + 4 * q));
-#pragma GCC unroll 4
-          for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
-        }
-      }
-    }
-  }
-}
-
-// Accumulators of 6 pixel pairs x NR*16 virtual channels (H_PAIR: F = 8 NR, NR 1 or 3, and
-// 2F virtual channels: v < F is channel v of the pair's first pixel xs[m], v >= F channel v - F
-// of its second xt[m]). Vector NR/2 holds the first pixel's last 8 channels in its low lanes
-// and the second's first 8 in its high lanes (one blend of the two broadcasts), the vectors
-// before it the first pixel's, after it the second's: every lane real, where one pixel alone
-// would leave half a vector empty.
-INLINE void tile_pair(const conv_args* a, const uint8_t* const* xs, const uint8_t* const* xt,
-                      __m512i acc[6][4], int NR, const int32_t* init) {
-#pragma GCC unroll 6
-  for (int m = 0; m < 6; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j)
-      acc[m][j] = init ? _mm512_loadu_si512((const void*)(init + 16 * j)) : _mm512_setzero_si512();
-  const int8_t* w = a->w;
-  const int64_t quads = a->c >> 2;
-  for (int64_t i = 0; i < a->kh; ++i) {
-    for (int64_t k = 0; k < a->kw; ++k) {
-      const int64_t off = i * a->dh * a->row + k * a->dw * a->xstep;
-      for (int64_t q = 0; q < quads; ++q) {
-        __m512i wv[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + 64 * j));
-        w += 64 * NR;
-#pragma GCC unroll 6
-        for (int m = 0; m < 6; ++m) {
           const __m512i x0 = _mm512_set1_epi32(*(const int32_t*)(xs[m] + off + 4 * q));
+          if (!pairs) {
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], x0, wv[j]);
+            continue;
+          }
           const __m512i x1 = _mm512_set1_epi32(*(const int32_t*)(xt[m] + off + 4 * q));
           const __m512i xm = _mm512_mask_blend_epi32((__mmask16)0xFF00, x0, x1);
 #pragma GCC unroll 4
@@ -109,12 +87,14 @@ INLINE void tile_pair(const conv_args* a, const uint8_t* const* xs, const uint8_
       }
     }
   }
-  // (each accumulator in a register here: without this gcc 12 copied the lean form's
-  // accumulators between registers and the stack on every quad, 1.3x slower)
+  if (pairs) {
+    // (each accumulator in a register here: without this gcc 12 copied the pairs' lean form's
+    // accumulators between registers and the stack on every quad, 1.3x slower)
 #pragma GCC unroll 6
-  for (int m = 0; m < 6; ++m)
+    for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) __asm__("" : "+v"(acc[m][j]));
+      for (int j = 0; j < NR; ++j) __asm__("" : "+v"(acc[m][j]));
+  }
 }
 
 typedef struct {
@@ -478,7 +458,7 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
                      const uint8_t* const* rs, uint8_t* const* ys, int MR, int NR,
                      const int lean) {
   __m512i acc[6][4];
-  tile(a, xs, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0);
+  tile(a, xs, 0, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0, 0);
   tile_epilogue(acc, e, t, c0, f, rs, ys, MR, NR, lean);
 }
 
@@ -533,7 +513,7 @@ typedef void (*tilep_fn)(const conv_args*, const epi_args*, const uint8_t* const
       const uint8_t* const* xt, int64_t c0, int64_t f, const uint8_t* const* rs,          \
       uint8_t* const* ys) {                                                               \
     __m512i acc[6][4];                                                                    \
-    tile_pair(a, xs, xt, acc, NR, e->narrow ? e->bias32 + c0 : 0);                        \
+    tile(a, xs, xt, acc, 6, NR, e->narrow ? e->bias32 + c0 : 0, 1);                      \
     tile_epilogue(acc, e, 0, c0, f, rs, ys, 6, NR, LEAN_MODE);                            \
   }
 #define TILEP_NR(NR)                                                                      \
@@ -686,7 +666,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   int64_t roff = ((oy + rpt) * owr + ox + rpl) * fe;
   const int64_t xwrap = sh_row - ow * sw_c, ywrap = 2 * pl * fe, rwrap = 2 * rpl * fe;
   if (h[H_PAIR]) {
-    // Pixel pairs (H_PAIR, tile_pair): a pair's 2F outputs are one run of 2F elements where
+    // Pixel pairs (H_PAIR, tile): a pair's 2F outputs are one run of 2F elements where
     // its second pixel follows the first in the output (and residual); across a row's border,
     // or for a last pixel alone, the pair goes through a buffer. Pairs past the chunk's end
     // compute on the first input pixel into the buffer.
