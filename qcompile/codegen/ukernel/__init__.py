@@ -305,13 +305,14 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
     u8 × s8 sum over the window."""
     fp = s.fp
 
-    copies = 2 if s.pair else 1        # pixel pairs: the tables of the 2F virtual channels
-
-    def chan(v: np.ndarray | int | None, fill: int = 0) -> np.ndarray:
-        out = np.full(fp, fill, np.int64)
+    def chan(v: np.ndarray | int | float | None, fill: int = 0,
+             dtype: type = np.int64) -> np.ndarray:
+        """``v`` per channel, padded to ``fp`` with ``fill`` (pixel pairs: the tables of the
+        2F virtual channels, the F twice)."""
+        out = np.full(fp, fill, dtype)
         if v is not None:
-            out[:copies * s.f] = np.tile(np.broadcast_to(np.asarray(v, np.int64), (s.f,)),
-                                         copies)
+            real = np.broadcast_to(np.asarray(v, dtype), (s.f,))
+            out[:(2 if s.pair else 1) * s.f] = np.tile(real, 2) if s.pair else real
         return out
 
     shift_c = chan(shift, 1)
@@ -360,9 +361,7 @@ def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarra
         tables = [i32(bias_c), i32(m0_c), i32(odd(m0_c)), i32(m1_c), i32(odd(m1_c)),
                   i32(round32), i32(sh_k - k)]
     elif floating:
-        p = np.ones(fp, np.float32)
-        p[:copies * s.f] = np.tile(np.broadcast_to(np.asarray(dequant_scale, np.float32),
-                                                   (s.f,)), copies)
+        p = chan(dequant_scale, 1, np.float32)
         tables = [p.view(np.int64), np.zeros(6 * fp // 2, np.int64)]
     else:
         tables = [np.zeros(7 * fp // 2, np.int64)]

@@ -397,11 +397,14 @@ INLINE __m512i with_terms(__m512i v, const terms_args* t, int m, __m512i col) {
   return t ? _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(t->row[m])), col) : v;
 }
 
-// The epilogue of a tile's accumulators: MR pixels (or pixel pairs) x NR*16 channels from c0
-// of f, each pixel's outputs (and residual) at ys[m] (rs[m]).
-INLINE void tile_epilogue(__m512i acc[6][4], const epi_args* e, const terms_args* t, int64_t c0,
-                          int64_t f, const uint8_t* const* rs, uint8_t* const* ys, int MR,
-                          int NR, const int lean) {
+// A tile (tile()) and its epilogue: MR pixels (or pixel pairs, xt) x NR*16 channels from c0
+// of f, each pixel's (pair's) outputs and residual at ys[m] and rs[m].
+INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
+                     const uint8_t* const* xs, const uint8_t* const* xt, int64_t c0, int64_t f,
+                     const uint8_t* const* rs, uint8_t* const* ys, int MR, int NR,
+                     const int lean, const int pairs) {
+  __m512i acc[6][4];
+  tile(a, xs, xt, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0, pairs);
   if (lean) {             // the tables of each 16 channels once for the tile's pixels
     const int64_t real = f - c0 < 16 * NR ? f - c0 : 16 * NR;   // channels of this block
     if (real > 16 * (NR - 1)) {
@@ -453,81 +456,51 @@ INLINE void tile_epilogue(__m512i acc[6][4], const epi_args* e, const terms_args
     }
 }
 
-INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
-                     const uint8_t* const* xs, int64_t c0, int64_t f,
-                     const uint8_t* const* rs, uint8_t* const* ys, int MR, int NR,
-                     const int lean) {
-  __m512i acc[6][4];
-  tile(a, xs, 0, acc, MR, NR, e->narrow ? e->bias32 + c0 : 0, 0);
-  tile_epilogue(acc, e, t, c0, f, rs, ys, MR, NR, lean);
-}
-
-#define TILE_CASE(MR, NR) \
+#define TILE_RUN(MR, NR, L) run_tile(a, e, t, xs, 0, c0, f, rs, ys, MR, NR, L, 0)
+#define TILE_CASE(MR, NR)                                                                 \
   case MR:                                                                                \
     switch (lean) {                                                                       \
-      case LEAN: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN); break;                \
-      case LEAN | LEAN_RES: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN | LEAN_RES); \
-        break;                                                                            \
-      case LEAN | LEAN_K: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN | LEAN_K);     \
-        break;                                                                            \
-      case LEAN | LEAN_RES | LEAN_K:                                                      \
-        run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, LEAN | LEAN_RES | LEAN_K); break;     \
-      default: run_tile(a, e, t, xs, c0, f, rs, ys, MR, NR, 0); break;                     \
+      case LEAN: TILE_RUN(MR, NR, LEAN); break;                                           \
+      case LEAN | LEAN_RES: TILE_RUN(MR, NR, LEAN | LEAN_RES); break;                     \
+      case LEAN | LEAN_K: TILE_RUN(MR, NR, LEAN | LEAN_K); break;                         \
+      case LEAN | LEAN_RES | LEAN_K: TILE_RUN(MR, NR, LEAN | LEAN_RES | LEAN_K); break;    \
+      default: TILE_RUN(MR, NR, 0); break;                                                \
     }                                                                                     \
     break;
-// A whole tile of 6 pixels for each block width and epilogue form, a function of its own (the
-// chunk loop calls it without a switch per tile)
+// A whole tile of 6 pixels (or 6 pixel pairs: PAIRS, xt) for each block width and epilogue
+// form, a function of its own (the chunk loop calls it without a switch per tile)
 typedef void (*tile6_fn)(const conv_args*, const epi_args*, const terms_args*,
-                         const uint8_t* const*, int64_t, int64_t, const uint8_t* const*,
-                         uint8_t* const*);
-#define TILE6(NR, LEAN_MODE, NAME)                                                        \
+                         const uint8_t* const*, const uint8_t* const*, int64_t, int64_t,
+                         const uint8_t* const*, uint8_t* const*);
+#define TILE6(NR, LEAN_MODE, PAIRS, NAME)                                                 \
   static __attribute__((noinline)) void NAME(                                             \
       const conv_args* a, const epi_args* e, const terms_args* t, const uint8_t* const* xs, \
-      int64_t c0, int64_t f, const uint8_t* const* rs, uint8_t* const* ys) {              \
-    run_tile(a, e, t, xs, c0, f, rs, ys, 6, NR, LEAN_MODE);                               \
+      const uint8_t* const* xt, int64_t c0, int64_t f, const uint8_t* const* rs,          \
+      uint8_t* const* ys) {                                                               \
+    run_tile(a, e, t, xs, xt, c0, f, rs, ys, 6, NR, LEAN_MODE, PAIRS);                    \
   }
-#define TILE6_NR(NR)                                                                      \
-  TILE6(NR, 0, tile6_##NR##_0)                                                            \
-  TILE6(NR, LEAN, tile6_##NR##_1)                                                         \
-  TILE6(NR, LEAN | LEAN_RES, tile6_##NR##_3)                                              \
-  TILE6(NR, LEAN | LEAN_K, tile6_##NR##_5)                                                \
-  TILE6(NR, LEAN | LEAN_RES | LEAN_K, tile6_##NR##_7)
-TILE6_NR(1)
-TILE6_NR(2)
-TILE6_NR(3)
-TILE6_NR(4)
+#define TILE6_NR(NR, PAIRS, P)                                                            \
+  TILE6(NR, 0, PAIRS, tile6##P##_##NR##_0)                                                \
+  TILE6(NR, LEAN, PAIRS, tile6##P##_##NR##_1)                                             \
+  TILE6(NR, LEAN | LEAN_RES, PAIRS, tile6##P##_##NR##_3)                                  \
+  TILE6(NR, LEAN | LEAN_K, PAIRS, tile6##P##_##NR##_5)                                    \
+  TILE6(NR, LEAN | LEAN_RES | LEAN_K, PAIRS, tile6##P##_##NR##_7)
+TILE6_NR(1, 0, )
+TILE6_NR(2, 0, )
+TILE6_NR(3, 0, )
+TILE6_NR(4, 0, )
+TILE6_NR(1, 1, p)
+TILE6_NR(3, 1, p)
 // [NR - 1][lean]: the lean form's bits index it (LEAN_RES and LEAN_K come with LEAN)
 static const tile6_fn TILE6_FNS[4][8] = {
     {tile6_1_0, tile6_1_1, 0, tile6_1_3, 0, tile6_1_5, 0, tile6_1_7},
     {tile6_2_0, tile6_2_1, 0, tile6_2_3, 0, tile6_2_5, 0, tile6_2_7},
     {tile6_3_0, tile6_3_1, 0, tile6_3_3, 0, tile6_3_5, 0, tile6_3_7},
     {tile6_4_0, tile6_4_1, 0, tile6_4_3, 0, tile6_4_5, 0, tile6_4_7}};
-
-// A whole tile of 6 pixel pairs (H_PAIR) for each block width (1 or 3 vectors) and form
-typedef void (*tilep_fn)(const conv_args*, const epi_args*, const uint8_t* const*,
-                         const uint8_t* const*, int64_t, int64_t, const uint8_t* const*,
-                         uint8_t* const*);
-#define TILEP(NR, LEAN_MODE, NAME)                                                        \
-  static __attribute__((noinline)) void NAME(                                             \
-      const conv_args* a, const epi_args* e, const uint8_t* const* xs,                    \
-      const uint8_t* const* xt, int64_t c0, int64_t f, const uint8_t* const* rs,          \
-      uint8_t* const* ys) {                                                               \
-    __m512i acc[6][4];                                                                    \
-    tile(a, xs, xt, acc, 6, NR, e->narrow ? e->bias32 + c0 : 0, 1);                      \
-    tile_epilogue(acc, e, 0, c0, f, rs, ys, 6, NR, LEAN_MODE);                            \
-  }
-#define TILEP_NR(NR)                                                                      \
-  TILEP(NR, 0, tilep_##NR##_0)                                                            \
-  TILEP(NR, LEAN, tilep_##NR##_1)                                                         \
-  TILEP(NR, LEAN | LEAN_RES, tilep_##NR##_3)                                              \
-  TILEP(NR, LEAN | LEAN_K, tilep_##NR##_5)                                                \
-  TILEP(NR, LEAN | LEAN_RES | LEAN_K, tilep_##NR##_7)
-TILEP_NR(1)
-TILEP_NR(3)
-// [NR / 2][lean]
-static const tilep_fn TILEP_FNS[2][8] = {
-    {tilep_1_0, tilep_1_1, 0, tilep_1_3, 0, tilep_1_5, 0, tilep_1_7},
-    {tilep_3_0, tilep_3_1, 0, tilep_3_3, 0, tilep_3_5, 0, tilep_3_7}};
+// pixel pairs (H_PAIR: F = 8 or 24, 1 or 3 vectors): [NR / 2][lean]
+static const tile6_fn TILE6P_FNS[2][8] = {
+    {tile6p_1_0, tile6p_1_1, 0, tile6p_1_3, 0, tile6p_1_5, 0, tile6p_1_7},
+    {tile6p_3_0, tile6p_3_1, 0, tile6p_3_3, 0, tile6p_3_5, 0, tile6p_3_7}};
 
 // n bytes (up to a few hundred) from s to d
 INLINE void copy_bytes(uint8_t* d, const uint8_t* s, int64_t n) {
@@ -670,7 +643,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     // its second pixel follows the first in the output (and residual); across a row's border,
     // or for a last pixel alone, the pair goes through a buffer. Pairs past the chunk's end
     // compute on the first input pixel into the buffer.
-    const tilep_fn tp = TILEP_FNS[nr >> 1][lean];
+    const tile6_fn tp = TILE6P_FNS[nr >> 1][lean];
     for (int64_t p = p0; p < p1; p += 12) {
       const uint8_t* xs[6];
       const uint8_t* xt[6];
@@ -709,7 +682,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
           if (py[1]) copy_bytes(rbuf[m] + fe, pr[1], fe);
         }
       }
-      tp(&a, &e, xs, xt, c0, 2 * f, e.res ? rs : 0, ys);
+      tp(&a, &e, 0, xs, xt, c0, 2 * f, e.res ? rs : 0, ys);
       for (int m = 0; m < 6; ++m)
         for (int u = 0; u < 2; ++u)
           if (scatter[m][u]) copy_bytes(scatter[m][u], ybuf[m] + u * fe, fe);
@@ -743,7 +716,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     const uint8_t* const* rp = e.res ? rs : 0;
     if (terms) tt.row = terms + image + p;
     if (mr == 6) {
-      tile6(&a, &e, t, xs, c0, f, rp, ys);
+      tile6(&a, &e, t, xs, 0, c0, f, rp, ys);
       continue;
     }
     switch (nr) {
