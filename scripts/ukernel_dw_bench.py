@@ -58,13 +58,16 @@ SHAPES = {
     "7x7x960-3x3": (4, 7, 7, 960, 3, 1, 1),
     "28x28x240-5x5s2": (4, 28, 28, 240, 5, 2, 2),
     "14x14x480-5x5": (4, 14, 14, 480, 5, 1, 2),
+    "28x28x240-5x5": (4, 28, 28, 240, 5, 1, 2),
     "9x11x48-3x3s2": (2, 9, 11, 48, 3, 2, 1),
     "9x13x32-5x5": (2, 9, 13, 32, 5, 1, 2),
+    "9x13x48-5x5": (2, 9, 13, 48, 5, 1, 2),
+    "8x11x48-4x4": (1, 8, 11, 48, 4, 1, (1, 2)),
     "5x7x16-3x3-nopad": (1, 5, 7, 16, 3, 1, 0),
     "10x10x64-7x7": (1, 10, 10, 64, 7, 1, 3),
     "11x9x80-5x5s2-pad1": (1, 11, 9, 80, 5, 2, 1),
-    # the two-row form's limits: unequal strides and more than 27 weight rows run row by row;
-    # a 10-row kernel in two rows with its loop counts unknown to the compiler
+    # unequal strides run row by row (the two-row form is stride 1 only); 10-row kernels in
+    # two rows with their loop counts unknown to the compiler, three tap groups and one
     "9x10x32-3x3s(2,1)": (2, 9, 10, 32, 3, (2, 1), 1),
     "9x11x48-3x3s(1,2)": (1, 9, 11, 48, 3, (1, 2), 1),
     "13x9x32-10x9": (1, 13, 9, 32, (10, 9), 1, (4, 4)),
@@ -85,6 +88,16 @@ def build(source: Path, tmp: Path, flags: tuple[str, ...] | None = None) -> ctyp
     lib = ctypes.CDLL(str(so))
     lib.drive.restype = None
     return lib
+
+
+def aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` copied to a 64-byte boundary, as IREE places its constants and buffers (the
+    kernel's 512-bit loads of the weights would otherwise split across cache lines)."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def layer(spec, out, rng, *, wide=False, lut=False):
@@ -120,8 +133,8 @@ def layer(spec, out, rng, *, wide=False, lut=False):
     if lut:
         ref = table[ref - lo]
     ref = ref.astype(np.int64).astype(np.uint8)
-    return dict(x=x, w=ukernel.pack_dw_weights(wv), p=params, shp=shp, ref=ref,
-                macs=n * oh * ow * c * kh * kw)
+    return dict(x=aligned(x), w=aligned(ukernel.pack_dw_weights(wv, (sh, sw))), p=params,
+                shp=shp, ref=ref, macs=n * oh * ow * c * kh * kw)
 
 
 def run(lib, L, reps):

@@ -54,12 +54,20 @@ def test_depthwise_kernel__bit_exact_with_numpy(tmp_path, mode):
         np.testing.assert_array_equal(y, layer["ref"], err_msg=name)
 
 
-def test_depthwise_weights__packed_three_taps_per_dword():
-    w = np.arange(2 * 2 * 5, dtype=np.int8).reshape(2, 2, 5)       # C = 2, KH = 2, KW = 5
-    packed = ukernel.pack_dw_weights(w).reshape(1, 2, 2, 16, 4)     # [C/16][KH][G][16][4]
-    np.testing.assert_array_equal(packed[0, 1, 0, 1], [*w[1, 1, :3], 0])
-    np.testing.assert_array_equal(packed[0, 1, 1, 1], [*w[1, 1, 3:], 0, 0])
-    assert not packed[0, :, :, 2:].any()                            # channels past C
+def test_depthwise_weights__packed_three_taps_per_dword_with_shifted_copies_at_stride_1():
+    w = np.arange(1, 2 * 2 * 5 + 1, dtype=np.int8).reshape(2, 2, 5)    # C = 2, KH = 2, KW = 5
+    assert ukernel.dw_copies(5, (1, 1)) == 3 and ukernel.dw_copies(3, (1, 1)) == 2
+    assert ukernel.dw_copies(5, (2, 2)) == 1 and ukernel.dw_copies(3, (1, 2)) == 1
+    # stride 1: [C/16][copy][KH][G][16][4], copy v each dword v bytes up
+    packed = ukernel.pack_dw_weights(w).reshape(1, 3, 2, 2, 16, 4)
+    np.testing.assert_array_equal(packed[0, 0, 1, 0, 1], [*w[1, 1, :3], 0])
+    np.testing.assert_array_equal(packed[0, 0, 1, 1, 1], [*w[1, 1, 3:], 0, 0])
+    np.testing.assert_array_equal(packed[0, 1, 1, 0, 1], [0, *w[1, 1, :3]])
+    np.testing.assert_array_equal(packed[0, 2, 1, 0, 1], [0, 0, *w[1, 1, :2]])
+    np.testing.assert_array_equal(packed[0, 2, 1, 1, 1], [0, 0, *w[1, 1, 3:]])
+    assert not packed[0, :, :, :, 2:].any()                             # channels past C
+    # other strides: the packed weights alone
+    np.testing.assert_array_equal(ukernel.pack_dw_weights(w, (2, 2)), packed[0, 0].reshape(-1))
 
 
 class InvertedResidual(nn.Module):

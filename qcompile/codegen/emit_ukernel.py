@@ -329,7 +329,7 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
         s = replace(s, res_pad=res_in[1])
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
     extra: dict[str, Any] = {}
-    packed = (ukernel.pack_dw_weights(w[..., 0]) if s.depthwise
+    packed = (ukernel.pack_dw_weights(w[..., 0], (s.sh, s.sw)) if s.depthwise
               else ukernel.pack_weights(w, s.pair))
     operands = [_flat(xp), b.constant(packed, DType.I8)]
     if res is not None:

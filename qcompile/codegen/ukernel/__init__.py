@@ -268,18 +268,32 @@ def depthwise_fits(c: int, kw: int, stride: tuple[int, int], dilation: tuple[int
     return None
 
 
-def pack_dw_weights(w: np.ndarray) -> np.ndarray:
+def dw_copies(kw: int, stride: tuple[int, int]) -> int:
+    """Copies of the packed depthwise weights ``qk_dwconv_u8s8`` reads per 16 channels: at
+    stride 1 its two-row form's as packed, one byte up and, with two tap groups (KW 4 or 5),
+    two bytes up; else the packed weights alone."""
+    if tuple(stride) != (1, 1):
+        return 1
+    return 3 if -(-kw // 3) == 2 else 2
+
+
+def pack_dw_weights(w: np.ndarray, stride: tuple[int, int] = (1, 1)) -> np.ndarray:
     """Depthwise ``w[C, KH, KW]`` (s8) → ``qk_dwconv_u8s8``'s layout: per 16 channels
-    ``[KH, G, 16, 4]``, ``G = ceil(KW / 3)``: taps ``3g .. 3g + 2`` of a kernel row in the first
-    three bytes of each channel's dword, the fourth byte zero."""
+    ``[V, KH, G, 16, 4]``, ``G = ceil(KW / 3)``: taps ``3g .. 3g + 2`` of a kernel row in the
+    first three bytes of each channel's dword, the fourth byte zero; ``V`` copies
+    (:func:`dw_copies`), copy ``v`` with each dword shifted ``v`` bytes up (the taps of a
+    stride-1 pixel pair's later outputs)."""
     c, kh, kw = w.shape
     g = -(-kw // 3)
     cp = -(-c // 16) * 16
     wz = np.zeros((cp, kh, g, 4), np.int8)
     for t in range(kw):
         wz[:c, :, t // 3, t % 3] = w[:, :, t]
-    return np.ascontiguousarray(
-        wz.reshape(cp // 16, 16, kh, g, 4).transpose(0, 2, 3, 1, 4)).reshape(-1)
+    copies = [np.roll(wz, v, axis=-1) for v in range(dw_copies(kw, stride))]
+    for v, cv in enumerate(copies):
+        cv[..., :v] = 0                   # each dword shifted up, as vpslld would
+    blocks = [cv.reshape(cp // 16, 16, kh, g, 4).transpose(0, 2, 3, 1, 4) for cv in copies]
+    return np.ascontiguousarray(np.stack(blocks, axis=1)).reshape(-1)
 
 
 def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarray,

@@ -1381,36 +1381,42 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
   }
 }
 
-// The weights of kernel rows and tap groups (i · groups + g), per 16-channel half: as packed
-// (the first output of a stride-1 pixel pair) and one byte up (the second: its taps are bytes
-// 1..3 of the pair's operand)
-#define DW_MAX_ROWS 27
-typedef struct {
-  __m512i w[DW_MAX_ROWS][2][2];    // [kernel row, tap group][half][as packed, one byte up]
-} dw_weights;
-
-DW_INLINE void dw_weights_at(dw_weights* t, const int8_t* w, int64_t kbytes, int64_t rows,
-                             int halves) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int h = 0; h < halves; ++h) {
-      const __m512i v = _mm512_loadu_si512((const void*)(w + h * kbytes + 64 * i));
-      t->w[i][h][0] = v;
-      t->w[i][h][1] = _mm512_slli_epi32(v, 8);
-    }
+// The packed weights of kernel row and tap group rg (i · groups + g), 16-channel half h, copy v.
+// At stride 1 the object holds, per 16 channels, copies of the packed weights after one another
+// (pack_dw_weights, `kb` bytes each; `kbytes` is all of them): as packed (the first output of
+// a stride-1 pixel pair), one byte up (the second: its taps are bytes 1..3 of the pair's
+// operand) and, with two tap groups, two bytes up (dw_pair32's second group). So the two-row
+// form reads them as it finds them, with no per-call copy.
+DW_INLINE __m512i dw_w(const int8_t* w, int64_t kbytes, int64_t kb, int64_t rg, int h, int v) {
+  return _mm512_loadu_si512((const void*)(w + h * kbytes + v * kb + 64 * rg));
 }
+
+// copy v of the weights of kernel row and tap group rg, half h: from registers for a 3x3 kernel
+#define DW_WT(rg, h, v) (form == DW_3X3 ? wr[rg][h][v] : dw_w(w, kbytes, kb, rg, h, v))
+
+// the two-row form's kernels (compiled apart): 3x3, two tap groups (KW 4 or 5), any other
+enum { DW_ANY = 0, DW_3X3 = 1, DW_G2 = 2 };
 
 // Two output rows at stride 1 (the input row pitch `row` apart, outputs yrow apart), 32
 // channels from c0: input row t is read and permuted once for both, as kernel row t of the
 // first output row and t - 1 of the second. Four outputs of each row at a time.
 DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, int64_t groups,
-                         int64_t wp, int64_t ow, const dw_weights* wt, const __m512i idx[2][2],
+                         int64_t wp, int64_t ow, const int8_t* w, int64_t kbytes, int64_t kb,
+                         const __m512i idx[2][2],
                          const epi_args* e, int64_t c0, uint8_t* y, int64_t yrow, int64_t f,
-                         const int lean) {
+                         const int lean, const int form) {
   const __m512i zero = _mm512_setzero_si512();
   const __m512i init0 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0)) : zero;
   const __m512i init1 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0 + 16)) : zero;
   const rq_regs q0 = rq_at(e, c0), q1 = rq_at(e, c0 + 16);
   const pack_regs pk = pack_at(e);
+  // a 3x3 kernel's weights in registers for the call (the compiler cannot keep ones it reads
+  // through w there: the output stores may alias them)
+  __m512i wr[3][2][2];
+  if (form == DW_3X3)
+    for (int i = 0; i < 3; ++i)
+      for (int h = 0; h < 2; ++h)
+        for (int v = 0; v < 2; ++v) wr[i][h][v] = dw_w(w, kbytes, kb, i, h, v);
   for (int64_t ox = 0; ox < ow; ox += 4) {
     int64_t off[3][8];
     dw_offsets(off, ox, groups, wp, c);
@@ -1421,6 +1427,44 @@ DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
       for (int j = 0; j < 4; ++j) { acc[r][j][0] = init0; acc[r][j][1] = init1; }
     for (int64_t t = 0; t <= kh; ++t) {
       const uint8_t* rp = x + t * row;
+      if (form == DW_G2) {
+        // taps 0..2 and 3..4 (KW 4 or 5): pixels j..j+3 (operand Oj) feed output j by the
+        // first group's weights as packed and j + 1 one byte up, as below; the second group's
+        // taps of outputs 0..3 lie in bytes 1..2 of O2 and 0..1, 1..2, 2..3 of O4 (its
+        // weights one byte up, as packed, one and two bytes up). So O0, O2 and O4 serve both
+        // groups: 3 operands (and 4 pixel pairs) a half instead of 4 (and 6).
+        const int64_t* o = off[0];
+        __m512i z[4], v[3][2];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) z[k] = dw_pixels2x32(rp, o + 2 * k);
+#pragma GCC unroll 3
+        for (int k = 0; k < 3; ++k)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+            v[k][h] = _mm512_permutex2var_epi8(z[k], idx[0][h], z[k + 1]);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; ++r) {
+          const int64_t i = t - r;                    // this output row's kernel row
+          if (i < 0 || i >= kh) continue;
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m512i a = dw_w(w, kbytes, kb, 2 * i, h, 0);
+            const __m512i b = dw_w(w, kbytes, kb, 2 * i, h, 1);
+            acc[r][0][h] = _mm512_dpbusd_epi32(acc[r][0][h], v[0][h], a);
+            acc[r][1][h] = _mm512_dpbusd_epi32(acc[r][1][h], v[0][h], b);
+            acc[r][2][h] = _mm512_dpbusd_epi32(acc[r][2][h], v[1][h], a);
+            acc[r][3][h] = _mm512_dpbusd_epi32(acc[r][3][h], v[1][h], b);
+            const __m512i p = dw_w(w, kbytes, kb, 2 * i + 1, h, 0);
+            const __m512i q = dw_w(w, kbytes, kb, 2 * i + 1, h, 1);
+            acc[r][0][h] = _mm512_dpbusd_epi32(acc[r][0][h], v[1][h], q);
+            acc[r][1][h] = _mm512_dpbusd_epi32(acc[r][1][h], v[2][h], p);
+            acc[r][2][h] = _mm512_dpbusd_epi32(acc[r][2][h], v[2][h], q);
+            acc[r][3][h] = _mm512_dpbusd_epi32(acc[r][3][h], v[2][h],
+                                               dw_w(w, kbytes, kb, 2 * i + 1, h, 2));
+          }
+        }
+        continue;
+      }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t* o = off[g];
         __m512i z[3];
@@ -1435,11 +1479,11 @@ DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
           for (int r = 0; r < 2; ++r) {
             const int64_t i = t - r;                  // this output row's kernel row
             if (i < 0 || i >= kh) continue;
-            const __m512i(*k)[2] = wt->w[i * groups + g];
-            acc[r][j][0] = _mm512_dpbusd_epi32(acc[r][j][0], v0, k[0][0]);
-            acc[r][j][1] = _mm512_dpbusd_epi32(acc[r][j][1], v1, k[1][0]);
-            acc[r][j + 1][0] = _mm512_dpbusd_epi32(acc[r][j + 1][0], v0, k[0][1]);
-            acc[r][j + 1][1] = _mm512_dpbusd_epi32(acc[r][j + 1][1], v1, k[1][1]);
+            const int64_t rg = i * groups + g;
+            acc[r][j][0] = _mm512_dpbusd_epi32(acc[r][j][0], v0, DW_WT(rg, 0, 0));
+            acc[r][j][1] = _mm512_dpbusd_epi32(acc[r][j][1], v1, DW_WT(rg, 1, 0));
+            acc[r][j + 1][0] = _mm512_dpbusd_epi32(acc[r][j + 1][0], v0, DW_WT(rg, 0, 1));
+            acc[r][j + 1][1] = _mm512_dpbusd_epi32(acc[r][j + 1][1], v1, DW_WT(rg, 1, 1));
           }
         }
       }
@@ -1457,13 +1501,21 @@ DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
 
 // dw_pair32 for 16 channels from c0 (the last block when C is no multiple of 32)
 DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, int64_t groups,
-                         int64_t wp, int64_t ow, const dw_weights* wt, const __m512i* idx,
+                         int64_t wp, int64_t ow, const int8_t* w, int64_t kbytes, int64_t kb,
+                         const __m512i* idx,
                          const epi_args* e, int64_t c0, uint8_t* y, int64_t yrow, int64_t f,
-                         const int lean) {
+                         const int lean, const int form) {
   const __m512i init = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0))
                                  : _mm512_setzero_si512();
   const rq_regs q = rq_at(e, c0);
   const pack_regs pk = pack_at(e);
+  // a 3x3 kernel's weights in registers for the call (the compiler cannot keep ones it reads
+  // through w there: the output stores may alias them)
+  __m512i wr[3][1][2];
+  if (form == DW_3X3)
+    for (int i = 0; i < 3; ++i)
+      for (int h = 0; h < 1; ++h)
+        for (int v = 0; v < 2; ++v) wr[i][h][v] = dw_w(w, kbytes, kb, i, h, v);
   for (int64_t ox = 0; ox < ow; ox += 4) {
     int64_t off[3][8];
     dw_offsets(off, ox, groups, wp, c);
@@ -1474,6 +1526,31 @@ DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
       for (int j = 0; j < 4; ++j) acc[r][j] = init;
     for (int64_t t = 0; t <= kh; ++t) {
       const uint8_t* rp = x + t * row;
+      if (form == DW_G2) {           // O0, O2 and O4 serve both tap groups, as in dw_pair32
+        __m512i z[2], v[3];
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; ++k) z[k] = dw_pixels4x16(rp, off[0] + 4 * k);
+#pragma GCC unroll 3
+        for (int k = 0; k < 3; ++k) v[k] = _mm512_permutex2var_epi8(z[0], idx[2 * k], z[1]);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; ++r) {
+          const int64_t i = t - r;
+          if (i < 0 || i >= kh) continue;
+          const __m512i a = dw_w(w, kbytes, kb, 2 * i, 0, 0);
+          const __m512i b = dw_w(w, kbytes, kb, 2 * i, 0, 1);
+          const __m512i p = dw_w(w, kbytes, kb, 2 * i + 1, 0, 0);
+          const __m512i q = dw_w(w, kbytes, kb, 2 * i + 1, 0, 1);
+          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], v[0], a);
+          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], v[0], b);
+          acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], v[1], a);
+          acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], v[1], b);
+          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], v[1], q);
+          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], v[2], p);
+          acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], v[2], q);
+          acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], v[2], dw_w(w, kbytes, kb, 2 * i + 1, 0, 2));
+        }
+        continue;
+      }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t* o = off[g];
         __m512i z[2];
@@ -1486,9 +1563,9 @@ DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
           for (int r = 0; r < 2; ++r) {
             const int64_t i = t - r;
             if (i < 0 || i >= kh) continue;
-            const __m512i(*k)[2] = wt->w[i * groups + g];
-            acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], v, k[0][0]);
-            acc[r][j + 1] = _mm512_dpbusd_epi32(acc[r][j + 1], v, k[0][1]);
+            const int64_t rg = i * groups + g;
+            acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], v, DW_WT(rg, 0, 0));
+            acc[r][j + 1] = _mm512_dpbusd_epi32(acc[r][j + 1], v, DW_WT(rg, 0, 1));
           }
         }
       }
@@ -1557,7 +1634,7 @@ typedef struct {
   const epi_args* e;
   const __m512i* idx16;    // [6]
   const __m512i (*idx32)[2];
-  int64_t c, wp, ow, f, kh, groups, kbytes, cb, ce;
+  int64_t c, wp, ow, f, kh, groups, kbytes, kb, cb, ce;   // kb: one copy of the weights
 } dw_call;
 
 #define DW_UNPACK(d)                                                                         \
@@ -1568,16 +1645,15 @@ typedef struct {
   const int64_t cb = (d)->cb, ce = (d)->ce;                                                  \
   (void)kbytes
 
-#define DW_PAIRS(LEAN)                                                                       \
+#define DW_PAIRS(LEAN, FORM)                                                                 \
   for (int64_t c0 = cb; c0 < ce; c0 += 32) {                                                 \
-    const int halves = c0 + 32 <= ce ? 2 : 1;                                                \
-    dw_weights_at(&wt, d->w + (c0 >> 4) * kbytes, kbytes, kh * groups, halves);              \
-    if (halves == 2)                                                                         \
-      dw_pair32(x + c0, c, wp * c, kh, groups, wp, ow, &wt, d->idx32, e, c0, y + c0, ow * f, \
-                f, LEAN);                                                                    \
+    const int8_t* w = d->w + (c0 >> 4) * kbytes;                                             \
+    if (c0 + 32 <= ce)                                                                       \
+      dw_pair32(x + c0, c, wp * c, kh, groups, wp, ow, w, kbytes, d->kb, d->idx32, e, c0,    \
+                y + c0, ow * f, f, LEAN, FORM);                                              \
     else                                                                                     \
-      dw_pair16(x + c0, c, wp * c, kh, groups, wp, ow, &wt, d->idx16, e, c0, y + c0, ow * f, \
-                f, LEAN);                                                                    \
+      dw_pair16(x + c0, c, wp * c, kh, groups, wp, ow, w, kbytes, d->kb, d->idx16, e, c0,    \
+                y + c0, ow * f, f, LEAN, FORM);                                              \
   }
 
 #define DW_ROWS(S, P, LEAN)                                                                  \
@@ -1613,13 +1689,15 @@ typedef struct {
 #define DW_PAIR_VARIANT(NAME, LEAN)                                                          \
   __attribute__((noinline, target("avx512vbmi"))) static void NAME(const dw_call* d) {      \
     DW_UNPACK(d);                                                                            \
-    dw_weights wt;                                                                           \
     if (d->kh == 3 && d->groups == 1) {                                                      \
       const int64_t kh = 3, groups = 1;                                                      \
-      DW_PAIRS(LEAN)                                                                         \
-    } else {          /* (5x5 with its loop counts known compiled slower: spills) */      \
+      DW_PAIRS(LEAN, DW_3X3)                                                                 \
+    } else if (d->groups == 2) {  /* (5x5 with kh known compiled slower: spills) */         \
+      const int64_t kh = d->kh, groups = 2;                                                  \
+      DW_PAIRS(LEAN, DW_G2)                                                                  \
+    } else {                                                                                 \
       const int64_t kh = d->kh, groups = d->groups;                                          \
-      DW_PAIRS(LEAN)                                                                         \
+      DW_PAIRS(LEAN, DW_ANY)                                                                 \
     }                                                                                        \
   }
 DW_VARIANT(dw_s1_lean, DW_ROWS, 1, 4, 1)
@@ -1668,13 +1746,16 @@ void qk_dwconv_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
   d.idx16 = idx16;
   d.idx32 = (const __m512i(*)[2])idx32;
   d.c = c; d.wp = wp; d.ow = ow; d.f = f; d.kh = kh; d.groups = groups;
-  d.kbytes = kh * groups * 64;                 // packed weights per 16 channels
+  // packed weights per 16 channels: at stride 1 copies as packed, one byte up and (two tap
+  // groups) two bytes up for the two-row form (ukernel.dw_copies)
+  d.kb = kh * groups * 64;
+  d.kbytes = d.kb * (sh == 1 && sw == 1 ? (groups == 2 ? 3 : 2) : 1);
   d.cb = blk * 64;
   d.ce = d.cb + 64 < f ? d.cb + 64 : f;
   const int lean = lean_mode(&e) == LEAN;      // (no residual here; the plain k = 32 form)
   // output rows 2 pair and 2 pair + 1 (the last of an odd OH alone): at stride 1 both at once
   const int64_t oy = 2 * pair, rows = ohn - oy < 2 ? ohn - oy : 2;
-  if (rows == 2 && sh == 1 && sw == 1 && kh * groups <= DW_MAX_ROWS) {
+  if (rows == 2 && sh == 1 && sw == 1) {
     d.x = xb + xo + (n * hp + oy) * wp * c;
     d.y = yb + yo + (n * ohn + oy) * ow * f;
     (lean ? dw_pair_lean : dw_pair)(&d);
