@@ -1339,6 +1339,34 @@ DW_INLINE void dw_row32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, in
     for (int j = 0; j < P; ++j) { acc[j][0] = init0; acc[j][1] = init1; }
     for (int64_t i = 0; i < kh; ++i) {
       const uint8_t* r = x + i * row;
+      if (S == 2 && groups == 2) {
+        // output j's taps 3..4 (pixels 2j+3, 2j+4) are bytes 1..2 of output j + 1's operand
+        // (pixels 2j+2..2j+5): with the second group's weights one byte up, the operands of
+        // outputs j..j+3 serve both groups (4 a half for 3 outputs instead of 6)
+        __m512i z[5], v[4][2];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) z[k] = dw_pixels2x32(r, off[0] + 2 * k);
+        z[4] = dw_pixels2x32(r, off[1] + 5);                  // pixels 8, 9
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+            v[k][h] = _mm512_permutex2var_epi8(z[k], idx[0][h], z[k + 1]);
+        const int8_t* wg = w + 128 * i;
+        const __m512i w0 = _mm512_loadu_si512((const void*)wg);
+        const __m512i w1 = _mm512_loadu_si512((const void*)(wg + kbytes));
+        const __m512i u0 = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(wg + 64)), 8);
+        const __m512i u1 = _mm512_slli_epi32(
+            _mm512_loadu_si512((const void*)(wg + 64 + kbytes)), 8);
+#pragma GCC unroll 3
+        for (int j = 0; j < P; ++j) {
+          acc[j][0] = _mm512_dpbusd_epi32(acc[j][0], v[j][0], w0);
+          acc[j][1] = _mm512_dpbusd_epi32(acc[j][1], v[j][1], w1);
+          acc[j][0] = _mm512_dpbusd_epi32(acc[j][0], v[j + 1][0], u0);
+          acc[j][1] = _mm512_dpbusd_epi32(acc[j][1], v[j + 1][1], u1);
+        }
+        continue;
+      }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t* o = off[g];
         __m512i z[4];
