@@ -33,15 +33,17 @@ _spec.loader.exec_module(dwbench)
 @needs_vbmi
 @pytest.mark.parametrize("mode", ["narrow", "wide", "table"])
 def test_depthwise_kernel__bit_exact_with_numpy(tmp_path, mode):
-    """3×3, 5×5 and 7×7 (three tap groups), strides 1 and 2, with and without padding, channels
-    in blocks of 32 and a last block of 16, widths no multiple of the step, odd output heights
-    (stride 1 computes two rows at once: the last one alone), unequal strides and a kernel of
-    10 × 9 (one row at a time) and 10 × 3 (two rows, loop counts unknown); u8 and s8 outputs
+    """3×3, 4×4 and 5×5 (two tap groups sharing their operands), 7×7 (three tap groups),
+    strides 1 and 2, with and without padding, channels in blocks of 32 and a last block of 16,
+    widths no multiple of the step, odd output heights (stride 1 computes two rows at once: the
+    last one alone), unequal strides and kernels of 10 × 9 and 10 × 3 (two rows, loop counts
+    unknown); u8 and s8 outputs
     with clamps; the 32-bit lane epilogue, the i64 one forced, and a table after the
     requantize."""
     lib = dwbench.build(ukernel.SOURCE, tmp_path)
     rng = np.random.default_rng(3)
-    names = ["9x11x48-3x3s2", "9x13x32-5x5", "5x7x16-3x3-nopad", "10x10x64-7x7",
+    names = ["9x11x48-3x3s2", "9x13x32-5x5", "9x13x48-5x5", "8x11x48-4x4",
+             "5x7x16-3x3-nopad", "10x10x64-7x7",
              "11x9x80-5x5s2-pad1", "9x10x32-3x3s(2,1)", "9x11x48-3x3s(1,2)", "13x9x32-10x9",
              "13x9x48-10x3"]
     for i, name in enumerate(names):
