@@ -289,11 +289,11 @@ def pack_dw_weights(w: np.ndarray, stride: tuple[int, int] = (1, 1)) -> np.ndarr
     wz = np.zeros((cp, kh, g, 4), np.int8)
     for t in range(kw):
         wz[:c, :, t // 3, t % 3] = w[:, :, t]
-    copies = [np.roll(wz, v, axis=-1) for v in range(dw_copies(kw, stride))]
+    copies = np.zeros((dw_copies(kw, stride), *wz.shape), np.int8)
     for v, cv in enumerate(copies):
-        cv[..., :v] = 0                   # each dword shifted up, as vpslld would
-    blocks = [cv.reshape(cp // 16, 16, kh, g, 4).transpose(0, 2, 3, 1, 4) for cv in copies]
-    return np.ascontiguousarray(np.stack(blocks, axis=1)).reshape(-1)
+        cv[..., v:] = wz[..., :4 - v]     # each dword v bytes up, as vpslld would
+    blocks = copies.reshape(-1, cp // 16, 16, kh, g, 4).transpose(1, 0, 3, 4, 2, 5)
+    return np.ascontiguousarray(blocks).reshape(-1)
 
 
 def pack_params(s: ConvShape, bias: np.ndarray, m0: np.ndarray, shift: np.ndarray,

@@ -1425,6 +1425,36 @@ DW_INLINE __m512i dw_w(const int8_t* w, int64_t kbytes, int64_t kb, int64_t rg, 
 // the two-row form's kernels (compiled apart): 3x3, two tap groups (KW 4 or 5), any other
 enum { DW_ANY = 0, DW_3X3 = 1, DW_G2 = 2 };
 
+// a 3x3 kernel's weights of `halves` 16-channel halves in registers for the call (the compiler
+// cannot keep ones it reads through w there: the output stores may alias them)
+DW_INLINE void dw_regs3x3(__m512i wr[3][2][2], const int8_t* w, int64_t kbytes, int64_t kb,
+                          int halves) {
+  for (int i = 0; i < 3; ++i)
+    for (int h = 0; h < halves; ++h)
+      for (int v = 0; v < 2; ++v) wr[i][h][v] = dw_w(w, kbytes, kb, i, h, v);
+}
+
+// Kernel row i of a two-tap-group kernel (KW 4 or 5) for outputs 0..3 of one output row and
+// half h, their accumulators a[0], a[step], a[2 step], a[3 step]: pixels j..j+3 (operand Oj)
+// feed output j by the first group's weights as packed and j + 1 one byte up; the second
+// group's taps of outputs 0..3 lie in bytes 1..2 of O2 and 0..1, 1..2, 2..3 of O4 (its weights
+// one byte up, as packed, one and two bytes up). So O0, O2 and O4 serve both groups: 3 operands
+// (and 4 pixel pairs) a half instead of 4 (and 6).
+DW_INLINE void dw_g2_sums(__m512i* a, int step, __m512i o0, __m512i o2, __m512i o4,
+                          const int8_t* w, int64_t kbytes, int64_t kb, int64_t i, int h) {
+  const __m512i p0 = dw_w(w, kbytes, kb, 2 * i, h, 0), p1 = dw_w(w, kbytes, kb, 2 * i, h, 1);
+  const __m512i q0 = dw_w(w, kbytes, kb, 2 * i + 1, h, 0);
+  const __m512i q1 = dw_w(w, kbytes, kb, 2 * i + 1, h, 1);
+  a[0] = _mm512_dpbusd_epi32(a[0], o0, p0);
+  a[step] = _mm512_dpbusd_epi32(a[step], o0, p1);
+  a[2 * step] = _mm512_dpbusd_epi32(a[2 * step], o2, p0);
+  a[3 * step] = _mm512_dpbusd_epi32(a[3 * step], o2, p1);
+  a[0] = _mm512_dpbusd_epi32(a[0], o2, q1);
+  a[step] = _mm512_dpbusd_epi32(a[step], o4, q0);
+  a[2 * step] = _mm512_dpbusd_epi32(a[2 * step], o4, q1);
+  a[3 * step] = _mm512_dpbusd_epi32(a[3 * step], o4, dw_w(w, kbytes, kb, 2 * i + 1, h, 2));
+}
+
 // Two output rows at stride 1 (the input row pitch `row` apart, outputs yrow apart), 32
 // channels from c0: input row t is read and permuted once for both, as kernel row t of the
 // first output row and t - 1 of the second. Four outputs of each row at a time.
@@ -1438,13 +1468,8 @@ DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
   const __m512i init1 = e->narrow ? _mm512_loadu_si512((const void*)(e->bias32 + c0 + 16)) : zero;
   const rq_regs q0 = rq_at(e, c0), q1 = rq_at(e, c0 + 16);
   const pack_regs pk = pack_at(e);
-  // a 3x3 kernel's weights in registers for the call (the compiler cannot keep ones it reads
-  // through w there: the output stores may alias them)
   __m512i wr[3][2][2];
-  if (form == DW_3X3)
-    for (int i = 0; i < 3; ++i)
-      for (int h = 0; h < 2; ++h)
-        for (int v = 0; v < 2; ++v) wr[i][h][v] = dw_w(w, kbytes, kb, i, h, v);
+  if (form == DW_3X3) dw_regs3x3(wr, w, kbytes, kb, 2);
   for (int64_t ox = 0; ox < ow; ox += 4) {
     int64_t off[3][8];
     dw_offsets(off, ox, groups, wp, c);
@@ -1455,16 +1480,10 @@ DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
       for (int j = 0; j < 4; ++j) { acc[r][j][0] = init0; acc[r][j][1] = init1; }
     for (int64_t t = 0; t <= kh; ++t) {
       const uint8_t* rp = x + t * row;
-      if (form == DW_G2) {
-        // taps 0..2 and 3..4 (KW 4 or 5): pixels j..j+3 (operand Oj) feed output j by the
-        // first group's weights as packed and j + 1 one byte up, as below; the second group's
-        // taps of outputs 0..3 lie in bytes 1..2 of O2 and 0..1, 1..2, 2..3 of O4 (its
-        // weights one byte up, as packed, one and two bytes up). So O0, O2 and O4 serve both
-        // groups: 3 operands (and 4 pixel pairs) a half instead of 4 (and 6).
-        const int64_t* o = off[0];
+      if (form == DW_G2) {           // O0, O2 and O4 serve both tap groups (dw_g2_sums)
         __m512i z[4], v[3][2];
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) z[k] = dw_pixels2x32(rp, o + 2 * k);
+        for (int k = 0; k < 4; ++k) z[k] = dw_pixels2x32(rp, off[0] + 2 * k);
 #pragma GCC unroll 3
         for (int k = 0; k < 3; ++k)
 #pragma GCC unroll 2
@@ -1475,21 +1494,8 @@ DW_INLINE void dw_pair32(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
           const int64_t i = t - r;                    // this output row's kernel row
           if (i < 0 || i >= kh) continue;
 #pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            const __m512i a = dw_w(w, kbytes, kb, 2 * i, h, 0);
-            const __m512i b = dw_w(w, kbytes, kb, 2 * i, h, 1);
-            acc[r][0][h] = _mm512_dpbusd_epi32(acc[r][0][h], v[0][h], a);
-            acc[r][1][h] = _mm512_dpbusd_epi32(acc[r][1][h], v[0][h], b);
-            acc[r][2][h] = _mm512_dpbusd_epi32(acc[r][2][h], v[1][h], a);
-            acc[r][3][h] = _mm512_dpbusd_epi32(acc[r][3][h], v[1][h], b);
-            const __m512i p = dw_w(w, kbytes, kb, 2 * i + 1, h, 0);
-            const __m512i q = dw_w(w, kbytes, kb, 2 * i + 1, h, 1);
-            acc[r][0][h] = _mm512_dpbusd_epi32(acc[r][0][h], v[1][h], q);
-            acc[r][1][h] = _mm512_dpbusd_epi32(acc[r][1][h], v[2][h], p);
-            acc[r][2][h] = _mm512_dpbusd_epi32(acc[r][2][h], v[2][h], q);
-            acc[r][3][h] = _mm512_dpbusd_epi32(acc[r][3][h], v[2][h],
-                                               dw_w(w, kbytes, kb, 2 * i + 1, h, 2));
-          }
+          for (int h = 0; h < 2; ++h)
+            dw_g2_sums(&acc[r][0][h], 2, v[0][h], v[1][h], v[2][h], w, kbytes, kb, i, h);
         }
         continue;
       }
@@ -1537,13 +1543,8 @@ DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
                                  : _mm512_setzero_si512();
   const rq_regs q = rq_at(e, c0);
   const pack_regs pk = pack_at(e);
-  // a 3x3 kernel's weights in registers for the call (the compiler cannot keep ones it reads
-  // through w there: the output stores may alias them)
-  __m512i wr[3][1][2];
-  if (form == DW_3X3)
-    for (int i = 0; i < 3; ++i)
-      for (int h = 0; h < 1; ++h)
-        for (int v = 0; v < 2; ++v) wr[i][h][v] = dw_w(w, kbytes, kb, i, h, v);
+  __m512i wr[3][2][2];
+  if (form == DW_3X3) dw_regs3x3(wr, w, kbytes, kb, 1);
   for (int64_t ox = 0; ox < ow; ox += 4) {
     int64_t off[3][8];
     dw_offsets(off, ox, groups, wp, c);
@@ -1554,7 +1555,7 @@ DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
       for (int j = 0; j < 4; ++j) acc[r][j] = init;
     for (int64_t t = 0; t <= kh; ++t) {
       const uint8_t* rp = x + t * row;
-      if (form == DW_G2) {           // O0, O2 and O4 serve both tap groups, as in dw_pair32
+      if (form == DW_G2) {           // O0, O2 and O4 serve both tap groups (dw_g2_sums)
         __m512i z[2], v[3];
 #pragma GCC unroll 2
         for (int k = 0; k < 2; ++k) z[k] = dw_pixels4x16(rp, off[0] + 4 * k);
@@ -1564,18 +1565,7 @@ DW_INLINE void dw_pair16(const uint8_t* x, int64_t c, int64_t row, int64_t kh, i
         for (int r = 0; r < 2; ++r) {
           const int64_t i = t - r;
           if (i < 0 || i >= kh) continue;
-          const __m512i a = dw_w(w, kbytes, kb, 2 * i, 0, 0);
-          const __m512i b = dw_w(w, kbytes, kb, 2 * i, 0, 1);
-          const __m512i p = dw_w(w, kbytes, kb, 2 * i + 1, 0, 0);
-          const __m512i q = dw_w(w, kbytes, kb, 2 * i + 1, 0, 1);
-          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], v[0], a);
-          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], v[0], b);
-          acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], v[1], a);
-          acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], v[1], b);
-          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], v[1], q);
-          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], v[2], p);
-          acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], v[2], q);
-          acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], v[2], dw_w(w, kbytes, kb, 2 * i + 1, 0, 2));
+          dw_g2_sums(&acc[r][0], 1, v[0], v[1], v[2], w, kbytes, kb, i, 0);
         }
         continue;
       }
