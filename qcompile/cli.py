@@ -236,6 +236,11 @@ def bench(recipe: RecipeArg, out: OutOpt = None,
         cells = ", ".join(f"{k} {v['median']}{'*' if v['noisy'] else ''}"
                           for k, v in row["ms"].items())
         typer.echo(f"batch {row['batch']}: {cells} (ms)")
+        if row["host_unsteady"]:
+            lo, hi = row["int8_ceiling_range_gops"]
+            typer.echo(f"batch {row['batch']}: the int8 ceiling probe ran at {lo}–{hi} GOPS "
+                       "across the windows (p10–p90): the host was busy, every cell is "
+                       "flagged noisy (*); rerun on a quieter machine")
     for b, s in report["summary"].items():
         typer.echo(f"{b}: qcompile {s['speedup_vs_best_int8']}x vs {s['best_int8_peer']}")
     typer.echo("wrote " + ", ".join(map(str, paths)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qcompile.bench.suite import run_bench, write_bench
+from qcompile.bench.suite import CEILING_SPREAD, run_bench, write_bench
 from qcompile.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +25,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
     args = ap.parse_args()
     lines = ["# qcompile benchmark suite", "",
-             "| recipe | batch | qcompile ms | best int8 peer | its ms | qcompile speedup |",
-             "|---|---|---|---|---|---|"]
+             "`*`: the host was busy in that batch size's windows (the int8 ceiling probe moved "
+             f"by more than {CEILING_SPREAD}×); rerun those.", "",
+             "| recipe | batch | qcompile ms | best int8 peer | its ms | qcompile speedup | "
+             "int8 ceiling GOPS |",
+             "|---|---|---|---|---|---|---|"]
     for name in args.recipes:
         report = run_bench(load_recipe(ROOT / "recipes" / f"{name}.yaml"), repeats=args.repeats)
         write_bench(report, args.out / name)
@@ -36,7 +39,8 @@ def main() -> None:
                 continue
             lines.append(f"| {name} | {row['batch']} | {row['ms']['qcompile']['median']} | "
                          f"{s['best_int8_peer']} | {row['ms'][s['best_int8_peer']]['median']} | "
-                         f"{s['speedup_vs_best_int8']} |")
+                         f"{s['speedup_vs_best_int8']}{'*' if row['host_unsteady'] else ''} | "
+                         f"{row['int8_ceiling_gops']} |")
         print("\n".join(lines[-len(report['batches']):]), flush=True)
     (args.out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {args.out / 'summary.md'}")

@@ -52,3 +52,25 @@ def test_bench_run__reports_and_leaves_no_files_behind(tmp_path, monkeypatch):
     assert report["engines"]["qcompile"]["status"] == "ok"
     assert report["summary"]["batch_1"]["best_int8_peer"] == "ort_int8"
     assert list(scratch.iterdir()) == []        # the ONNX files went with the run
+
+
+def test_bench_row__a_moving_ceiling_probe_flags_every_cell_noisy():
+    from qcompile.bench.suite import CEILING, _batch_row, render_markdown
+
+    def cell(median, p10, p90):
+        return {"median": median, "p10": p10, "p90": p90}
+
+    steady = {"qcompile": cell(1.0, 0.98, 1.05), "ort_int8": cell(2.0, 1.9, 2.1),
+              CEILING: cell(2.7, 2.65, 2.8)}
+    row = _batch_row(1, steady, load=0.2, qc=None)
+    assert not row["host_unsteady"] and not any(c["noisy"] for c in row["ms"].values())
+    assert CEILING not in row["ms"] and row["qcompile_speedup_vs"] == {"ort_int8": 2.0}
+    lo, hi = row["int8_ceiling_range_gops"]
+    assert lo < row["int8_ceiling_gops"] < hi          # p90 time is the low end of the range
+
+    # the engines' own spreads are fine; only the probe shows the busy host
+    busy = steady | {CEILING: cell(3.5, 2.7, 5.4)}
+    row = _batch_row(8, busy, load=0.2, qc=None)
+    assert row["host_unsteady"] and all(c["noisy"] for c in row["ms"].values())
+    report = {"recipe": "r", "cores": 2, "threads": 2, "batches": [row], "engines": {}}
+    assert "the host was busy" in render_markdown(report)
