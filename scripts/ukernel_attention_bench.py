@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -60,13 +59,11 @@ CASES = {
 }
 
 
-def build(source: Path, tmp: Path) -> ctypes.CDLL:
-    drv = tmp / "driver.c"
-    drv.write_text(DRIVER)
-    so = tmp / f"{source.stem}-{abs(hash(source.read_bytes()))}.so"
-    flags = [f for f in ukernel.cflags() if f != "-c"]
-    subprocess.run(["gcc", *flags, "-shared", str(source), str(drv), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
+def build(source: Path, tmp: Path, flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """The kernel (its object cached per source and flags, :func:`ukernel.driver_library`)
+    and the driver as a shared library (``flags``: gcc's, default the kernel object's on this
+    host)."""
+    lib = ctypes.CDLL(str(ukernel.driver_library(source, DRIVER, tmp, flags)))
     lib.drive.restype = None
     return lib
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -78,14 +77,10 @@ OUTPUTS = [(0, 0, 200), (3, 3, 255), (-5, -128, 127), (100, 0, 255)]
 
 
 def build(source: Path, tmp: Path, flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """The kernel and the driver as a shared library (``flags``: gcc's, default the kernel
-    object's on this host)."""
-    drv = tmp / "dw_driver.c"
-    drv.write_text(DRIVER)
-    flags = [f for f in (flags or ukernel.cflags()) if f != "-c"]
-    so = tmp / f"dw-{abs(hash(source.read_bytes() + ' '.join(flags).encode()))}.so"
-    subprocess.run(["gcc", *flags, "-shared", str(source), str(drv), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
+    """The kernel (its object cached per source and flags, :func:`ukernel.driver_library`)
+    and the driver as a shared library (``flags``: gcc's, default the kernel object's on this
+    host)."""
+    lib = ctypes.CDLL(str(ukernel.driver_library(source, DRIVER, tmp, flags)))
     lib.drive.restype = None
     return lib
 

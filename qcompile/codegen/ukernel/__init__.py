@@ -68,6 +68,28 @@ def build_object() -> Path:
                      "the stock lowering is used otherwise")
 
 
+def driver_library(source: Path, driver: str, out_dir: Path,
+                   flags: tuple[str, ...] | None = None) -> Path:
+    """A shared library of ``source`` (the kernel: its object compiled once per source and
+    flags into :func:`cache_dir`, the same object :func:`build_object` gives for the shipped
+    source on this host) linked with ``driver`` (a small C driver, compiled each time) in
+    ``out_dir``: what the kernel benches and their tests call through ctypes. ``flags``:
+    gcc's, default :func:`cflags`."""
+    flags = tuple(flags or cflags())
+    obj = gcc_build(source, flags, f"{source.stem}-{{key}}.o", f"{source.name} (bench)",
+                    "the kernel benches cannot run")
+    drv = out_dir / f"driver-{hashlib.sha256(driver.encode()).hexdigest()[:12]}.c"
+    drv.write_text(driver)
+    so = out_dir / f"{obj.stem}-{drv.stem}.so"
+    link = [f for f in flags if f != "-c"]
+    proc = subprocess.run([os.environ.get("QCOMPILE_CC", "gcc"), *link, "-shared", str(obj),
+                           str(drv), "-o", str(so)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise CompileError(f"cpu: gcc failed on the driver of {source.name}",
+                           why=proc.stderr[-2000:], next="check the driver source")
+    return so
+
+
 def gcc_build(source: Path, flags: tuple[str, ...], name: str, what: str, without: str) -> Path:
     """``source`` compiled by gcc (``QCOMPILE_CC``) with ``flags`` into :func:`cache_dir` as
     ``name`` (``{key}``: a hash of the source, compiler and flags), once; CompileError naming
