@@ -32,6 +32,7 @@ from qcompile.recipe import Recipe
 NOISY_SPREAD = 1.5
 CEILING_SPREAD = 1.25      # the probe is one fixed GEMM: a wider spread is the host, not it
 CEILING_SIZE = 1024
+CEILING = "int8_ceiling"   # the probe's name among the engines while timing
 INT8_ENGINES = ("qcompile", "ort_int8", "ort_int8_dynamic", "pt2e_inductor_int8")
 
 
@@ -148,9 +149,6 @@ def _run(recipe: Recipe, mut: Any, ctx: Context, names: list[str], warmup: int |
     if profile and "qcompile" in engines:
         report["profile"] = _profile(engines["qcompile"], ctx)
     return report
-
-
-CEILING = "int8_ceiling"
 
 
 def _batch_row(b: int, times: dict[str, Any], load: float, qc: Any) -> dict[str, Any]:
