@@ -3,6 +3,8 @@ one dispatch per fused chain, MLIR that verifies, and compile failures that leav
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -247,6 +249,37 @@ def test_shard_size__even_shards_of_at_least_four():
     assert cpu.shard_size(9, 2) is None          # uneven
     assert cpu.shard_size(8, 1) is None          # one thread
     assert cpu.shard_size(12, 3) == 4
+
+
+def _affinities(pool, n):
+    """Each of ``n`` tasks held at a barrier (so that ``n`` threads run them) reports its
+    thread's CPU set."""
+    import threading
+
+    gate = threading.Barrier(n)
+
+    def task():
+        gate.wait(timeout=10)
+        return frozenset(os.sched_getaffinity(0))
+
+    return [f.result(timeout=20) for f in [pool.submit(task) for _ in range(n)]]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs")
+def test_shard_threads__each_pinned_to_a_cpu_of_its_own(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    allowed = os.sched_getaffinity(0)
+    with ThreadPoolExecutor(2, initializer=cpu._pinner(2)) as pool:
+        got = _affinities(pool, 2)
+    assert all(len(a) == 1 and a <= allowed for a in got) and got[0] != got[1]
+    assert os.sched_getaffinity(0) == allowed                 # the caller is left alone
+    # fewer CPUs allowed than shards: nothing is pinned
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {min(allowed)})
+    with ThreadPoolExecutor(2, initializer=cpu._pinner(2)) as pool:
+        monkeypatch.undo()
+        assert _affinities(pool, 2) == [frozenset(allowed)] * 2
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
