@@ -82,19 +82,24 @@ def driver_library(source: Path, driver: str, out_dir: Path,
     drv.write_text(driver)
     so = out_dir / f"{obj.stem}-{drv.stem}.so"
     link = [f for f in flags if f != "-c"]
-    proc = subprocess.run([os.environ.get("QCOMPILE_CC", "gcc"), *link, "-shared", str(obj),
-                           str(drv), "-o", str(so)], capture_output=True, text=True, check=False)
+    proc = subprocess.run([_gcc(), *link, "-shared", str(obj), str(drv), "-o", str(so)],
+                          capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise CompileError(f"cpu: gcc failed on the driver of {source.name}",
                            why=proc.stderr[-2000:], next="check the driver source")
     return so
 
 
+def _gcc() -> str | None:
+    """The C compiler: ``QCOMPILE_CC`` or gcc, resolved on PATH (None when absent)."""
+    return shutil.which(os.environ.get("QCOMPILE_CC", "gcc"))
+
+
 def gcc_build(source: Path, flags: tuple[str, ...], name: str, what: str, without: str) -> Path:
     """``source`` compiled by gcc (``QCOMPILE_CC``) with ``flags`` into :func:`cache_dir` as
     ``name`` (``{key}``: a hash of the source, compiler and flags), once; CompileError naming
     ``what`` without gcc (``without``: what happens then) or when gcc fails."""
-    gcc = shutil.which(os.environ.get("QCOMPILE_CC", "gcc"))
+    gcc = _gcc()
     if gcc is None:
         raise CompileError(f"cpu: {what} needs gcc", why="gcc not found on PATH",
                            next=f"install gcc or set QCOMPILE_CC ({without})")
