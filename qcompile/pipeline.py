@@ -270,7 +270,7 @@ def compile_options(recipe: Recipe, q: QuantizedModel,
     sizes = c.batch_sizes or [1, recipe.evaluation.batch_size, *recipe.benchmark.batch_sizes]
     keep = c.keep_dir or (str(out_dir) if out_dir is not None else None)
     return CompileOptions(batch_sizes=tuple(sizes), float_ops=c.float_ops, keep_dir=keep,
-                          ukernel_convs=c.ukernel_convs)
+                          ukernel_convs=c.ukernel_convs, winograd=c.winograd)
 
 
 def cpu_latency(compiled: CompiledModel, q: QuantizedModel, x: tuple[torch.Tensor, ...]

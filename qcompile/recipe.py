@@ -287,6 +287,10 @@ class CompileSection(_Strict):
     ukernel_convs: bool | None = Field(
         default=None, description="cpu: conv chains on the AVX-512 VNNI microkernel (default: "
                                   "when the host has VNNI and gcc)")
+    winograd: bool = Field(
+        default=True, description="cpu: 3x3 stride-1 conv chains on the microkernel as exact "
+                                  "integer Winograd F(4x4, 3x3) where it fits (bit-exact); "
+                                  "false: the direct kernel")
 
 
 class Recipe(_Strict):

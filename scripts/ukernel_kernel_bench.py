@@ -15,6 +15,7 @@ import ctypes
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,18 +28,23 @@ from qcompile.codegen import ukernel  # noqa: E402
 DRIVER = r"""
 #include <stdint.h>
 #include <time.h>
+typedef void (*entry)(const uint8_t*, int64_t, const int8_t*, int64_t, const int64_t*, int64_t,
+                      const uint8_t*, int64_t, uint8_t*, int64_t, int64_t, int64_t, int64_t);
 void qk_conv2d_u8s8(const uint8_t*, int64_t, const int8_t*, int64_t, const int64_t*, int64_t,
                     const uint8_t*, int64_t, uint8_t*, int64_t, int64_t, int64_t, int64_t);
-// ns of each of `reps` passes over every workgroup of the layer
+void qk_wino_u8s8(const uint8_t*, int64_t, const int8_t*, int64_t, const int64_t*, int64_t,
+                  const uint8_t*, int64_t, uint8_t*, int64_t, int64_t, int64_t, int64_t);
+// ns of each of `reps` passes over every workgroup of the layer (wino: qk_wino_u8s8)
 void drive(const uint8_t* x, const int8_t* w, const int64_t* p, const uint8_t* r, uint8_t* y,
-           int64_t blocks, int64_t chunks, int64_t n, int reps, double* ns) {
+           int64_t blocks, int64_t chunks, int64_t n, int reps, double* ns, int wino) {
+  const entry run = wino ? qk_wino_u8s8 : qk_conv2d_u8s8;
   for (int i = 0; i < reps; ++i) {
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int64_t b = 0; b < n; ++b)
       for (int64_t c = 0; c < chunks; ++c)
         for (int64_t k = 0; k < blocks; ++k)
-          qk_conv2d_u8s8(x, 0, w, 0, p, 0, r, 0, y, 0, k, c, b);
+          run(x, 0, w, 0, p, 0, r, 0, y, 0, k, c, b);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     ns[i] = (t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec);
   }
@@ -62,6 +68,10 @@ SHAPES = {
     "56x56x64-64-3x3": (1, 56, 56, 64, 64, 3, 1, 1, False),
     "56x56x64-64-3x3+res": (1, 56, 56, 64, 64, 3, 1, 1, True),
     "14x14x256-256-3x3": (1, 14, 14, 256, 256, 3, 1, 1, False),
+    "28x28x128-128-3x3": (1, 28, 28, 128, 128, 3, 1, 1, False),
+    # Winograd's edges: OH and OW no multiple of 4, two images, a residual
+    "10x13x32-64-3x3+res": (2, 10, 13, 32, 64, 3, 1, 1, True),
+    "7x7x256-128-3x3": (1, 7, 7, 256, 128, 3, 1, 1, False),
     "7x7x2048-512-1x1": (1, 7, 7, 2048, 512, 1, 1, 0, False),
     "224x224x3-64-7x7s2": (1, 224, 224, 3, 64, 7, 2, 3, False),
     "9x11x6-40-3x3s2+res": (2, 9, 11, 6, 40, 3, 2, 1, True),
@@ -104,7 +114,7 @@ def build(source: Path, tmp: Path, flags: tuple[str, ...] | None = None) -> ctyp
     return lib
 
 
-def layer(name, spec, out, rng, *, wide=False, lut=False, pairs=True):
+def layer(name, spec, out, rng, *, wide=False, lut=False, pairs=True, wino=False):
     n, h, w, c, f, k, s, p, res = spec
     cp = ukernel.padded_channels(c)
     hp, wp = h + 2 * p, w + 2 * p
@@ -137,6 +147,9 @@ def layer(name, spec, out, rng, *, wide=False, lut=False, pairs=True):
     zres = 5
     shp = ukernel.ConvShape(n, hp, wp, cp, f, k, k, s, s, 1, 1, oh, ow,
                             pair=pairs and ukernel.pairs_fit(f))
+    if wino:
+        assert ukernel.wino_fits(shp, wv, speed=False) is None, ukernel.wino_fits(shp, wv, False)
+        shp = replace(shp, wino=True)
     zout, qmin, qmax = out
     lo = -128 if qmax <= 127 else 0           # the output dtype's low end
     table = rng.integers(lo, lo + 256, 256).astype(np.int64) if lut else None
@@ -157,8 +170,16 @@ def layer(name, spec, out, rng, *, wide=False, lut=False, pairs=True):
         ref = table[ref - lo]
     ref = ref.astype(np.int64).astype(np.uint8).view(np.int8)
     macs = n * oh * ow * f * k * k * c
-    return dict(x=x, w=ukernel.pack_weights(wv, shp.pair), p=params, r=r, shp=shp, ref=ref,
+    packed = ukernel.pack_wino_weights(wv, cp) if wino else ukernel.pack_weights(wv, shp.pair)
+    return dict(x=x, w=packed, p=params, r=r, shp=shp, ref=ref,
                 macs=macs)
+
+
+def wino_shape(spec) -> bool:
+    """Whether the Winograd entry takes this shape (its random weights always fit)."""
+    n, h, w, c, f, k, s, p, res = spec
+    # (C = 512 with random weights in [-127, 127] fails the exact recovery's bound)
+    return k == 3 and s == 1 and p == 1 and c % 32 == 0 and f % 64 == 0 and c < 512
 
 
 def run(lib, L, reps):
@@ -168,7 +189,7 @@ def run(lib, L, reps):
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     lib.drive(ptr(L["x"]), ptr(L["w"]), ptr(L["p"]), ptr(L["r"]), ptr(y),
               ctypes.c_int64(shp.blocks), ctypes.c_int64(shp.chunks), ctypes.c_int64(shp.n),
-              ctypes.c_int(reps), ns)
+              ctypes.c_int(reps), ns, ctypes.c_int(int(shp.wino)))
     return y, [v / 1e6 for v in ns]
 
 
@@ -181,6 +202,9 @@ def main() -> None:
     ap.add_argument("--pairs", choices=("on", "off", "both"), default="on",
                     help="F = 8 or 24 as pixel pairs (ConvShape.pair); both: each such shape "
                     "twice, pairs off first")
+    ap.add_argument("--wino", action="store_true",
+                    help="each shape the Winograd entry takes (qk_wino_u8s8) a second time, "
+                    "through it")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(s, Path(tmp)) for s in args.source]
@@ -190,11 +214,13 @@ def main() -> None:
         for i, name in enumerate(args.shapes):
             fits = ukernel.pairs_fit(SHAPES[name][4])
             modes = [False, True] if args.pairs == "both" and fits else [args.pairs != "off"]
-            runs += [(i, name, m) for m in modes]
-        for i, name, pairs in runs:
+            runs += [(i, name, m, False) for m in modes]
+            if args.wino and wino_shape(SHAPES[name]):
+                runs.append((i, name, modes[-1], True))
+        for i, name, pairs, wino in runs:
             L = layer(name, SHAPES[name], OUTPUTS[i % len(OUTPUTS)], np.random.default_rng(i),
-                      wide=args.wide, pairs=pairs)
-            name += " (pairs)" if L["shp"].pair else ""
+                      wide=args.wide, pairs=pairs, wino=wino)
+            name += " (pairs)" if L["shp"].pair else " (wino)" if wino else ""
             cells = []
             for lib in libs:
                 y, t = run(lib, L, args.reps)

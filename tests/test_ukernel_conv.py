@@ -238,7 +238,7 @@ def test_ukernel_unavailable__stock_lowering_and_the_reason_in_the_report(monkey
     assert rep == {"used": False, "why": rep["why"], "chains": {"1": 0},
                    "lowered": [], "stock": {}, "narrow_epilogue": 0, "input_quantize": 0,
                    "shared_input_dispatches": 0, "float_epilogue": 0, "float_residual_adds": 0,
-                   "attention": 0, "table_epilogue": 0, "depthwise": 0}
+                   "attention": 0, "table_epilogue": 0, "depthwise": 0, "winograd": 0}
     assert "no AVX-512 VNNI" in rep["why"]
     np.testing.assert_array_equal(model(x[:1]).numpy(), interpreter.run(
         model.runner.modules[1].graph, x[:1].numpy())[0])
@@ -514,3 +514,102 @@ def test_stem_over_the_model_input__packed_rows_bit_exact(c, k, s, packed):
                                           ukernel_convs=True))
     _assert_bit_exact(model, batches[1][0])
     assert model.report["compile"]["ukernel"]["input_quantize"]
+
+
+WINO_SHAPES = ["10x13x32-64-3x3+res", "56x56x64-64-3x3", "28x28x128-128-3x3",
+               "14x14x256-256-3x3", "7x7x256-128-3x3", "56x56x64-64-3x3+res-near1",
+               "28x28x64-64-3x3+res-shift31"]
+
+
+@needs_vnni
+@pytest.mark.parametrize("wide", [False, True])
+def test_winograd_kernel__bit_exact_with_the_direct_sums_on_every_output_range(tmp_path, wide):
+    """qk_wino_u8s8 called directly on 3x3 stride-1 layers (OH and OW no multiple of 4, two
+    images, residuals, tiles of a chunk spanning bands) cycling through the output ranges,
+    against numpy's direct sums: bit for bit in the 32-bit lane epilogue and the i64 one."""
+    lib = kbench.build(ukernel.SOURCE, tmp_path)
+    rng = np.random.default_rng(2)
+    for i, name in enumerate(WINO_SHAPES * 2):
+        layer = kbench.layer(name, kbench.SHAPES[name], kbench.OUTPUTS[i % 5], rng, wide=wide,
+                             wino=True)
+        assert layer["shp"].wino
+        y, _ = kbench.run(lib, layer, 1)
+        np.testing.assert_array_equal(y.reshape(layer["ref"].shape), layer["ref"], err_msg=name)
+
+
+def test_winograd_fits__only_where_the_recovery_is_exact():
+    """The Winograd entry takes 3x3 stride-1 convs with C a multiple of 32 up to 256 and F a
+    multiple of 64, enough output pixels per transformed weight byte, and exact sums below
+    2^25 (128 · Σ|w| per output channel); the reason otherwise."""
+    from dataclasses import replace
+
+    s = ukernel.ConvShape(1, 16, 16, 64, 64, 3, 3, 1, 1, 1, 1, 14, 14)
+    w = np.full((64, 3, 3, 64), 127, np.int8)
+    assert ukernel.wino_fits(s, w) is None                    # 128 · 576 · 127 < 2^25
+    # 128 · 2304 · 127 >= 2^25 (a worst case real weights do not reach): the direct kernel
+    s256 = replace(s, c=256)
+    assert "too large" in ukernel.wino_fits(s256, np.full((64, 3, 3, 256), 127, np.int8))
+    edge = np.zeros((64, 3, 3, 256), np.int8)
+    edge[5].flat[:2064] = -127                                 # 128 · 262128 < 2^25
+    edge[5].flat[2064] = 15
+    assert ukernel.wino_fits(s256, edge) is None
+    edge[5].flat[2064] = 16                                    # 128 · Σ|w| == 2^25
+    assert "too large" in ukernel.wino_fits(s256, edge)
+    assert "stride-1" in ukernel.wino_fits(replace(s, sh=2, sw=2), w)
+    assert "stride-1" in ukernel.wino_fits(replace(s, kh=1, kw=1), w[:, :1, :1])
+    assert "multiple" in ukernel.wino_fits(replace(s, f=48), w[:48])
+    assert "multiple" in ukernel.wino_fits(replace(s, c=20), w[..., :20])
+    assert "above 256" in ukernel.wino_fits(replace(s, c=512), np.zeros((64, 3, 3, 512),
+                                                                         np.int8))
+    assert "plain" in ukernel.wino_fits(replace(s, x_off=64), w)
+    # 36 · 256 · 256 · 2 bytes of transformed weights over 14 x 14 pixels: 24 KB per pixel at
+    # batch 1 (the weights' traffic costs more than the sums save), 6 KB at batch 4
+    deep = ukernel.ConvShape(1, 16, 16, 256, 256, 3, 3, 1, 1, 1, 1, 14, 14)
+    w256 = np.ones((256, 3, 3, 256), np.int8)
+    assert "too few output pixels" in ukernel.wino_fits(deep, w256)
+    assert ukernel.wino_fits(replace(deep, n=4), w256) is None
+    assert ukernel.wino_fits(deep, w256, speed=False) is None     # the kernel takes both
+    assert ukernel.wino_fits(replace(s, c=512), np.zeros((64, 3, 3, 512), np.int8),
+                             speed=False) is None
+
+
+class _WinoBlocks(torch.nn.Module):
+    """3x3 stride-1 convs of 32 and 64 channels on odd sizes (OH, OW no multiple of 4): one
+    reading the max pool's padded output, one writing its output bordered for the next and read
+    in place as a residual, one with the residual read from a border; a stride-2 conv and the
+    stem stay direct."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = torch.nn.Conv2d
+        self.stem, self.pool = conv(3, 32, 3, padding=1), torch.nn.MaxPool2d(3, 2, 1)
+        self.a1, self.a2 = conv(32, 64, 3, padding=1), conv(64, 64, 3, padding=1)
+        self.b1 = conv(64, 64, 3, 2, 1)
+        self.c1, self.c2 = conv(64, 64, 3, padding=1), conv(64, 64, 3, padding=1)
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        relu = torch.relu
+        x = self.pool(relu(self.stem(x)))
+        y = relu(self.a1(x))
+        y = relu(self.a2(y) + y)
+        z = relu(self.b1(y))
+        w = relu(self.c2(relu(self.c1(z))) + z)
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(w, 1), 1))
+
+
+@needs_vnni
+def test_winograd_convs__bit_exact_in_a_model_and_counted_and_off_on_request():
+    q, batches, em, convs = _emitted_convs(_WinoBlocks(), 27, 34)
+    wino = sorted(k for k, s in convs.items() if s.wino)
+    assert wino == ["a1 conv2d_1", "a2 conv2d_2", "c1 conv2d_4", "c2 conv2d_5"]
+    a2, c2 = convs["a2 conv2d_2"], convs["c2 conv2d_5"]
+    assert (a2.oh, a2.ow) == (14, 17) and a2.out_pad == (1, 1) and c2.res_pad == (1, 1)
+    # 4 bands of 5 tiles in chunks of 12: chunks and groups of 6 that start and end mid-band
+    assert (a2.chunks, a2.chunk) == (2, 12)
+    for on in (True, False):
+        model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False,
+                                              ukernel_convs=True, winograd=on))
+        _assert_bit_exact(model, batches[1][0])
+        rep = model.report["compile"]["ukernel"]
+        assert rep["chains"] == {"1": 7, "4": 7} and rep["winograd"] == (4 if on else 0)

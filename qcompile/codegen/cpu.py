@@ -165,7 +165,8 @@ def _pinner(n: int) -> Callable[[], None]:
 
 
 def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = None,
-                  uk: emit_ukernel.Support | None = None) -> BatchModule:
+                  uk: emit_ukernel.Support | None = None, winograd: bool = True
+                  ) -> BatchModule:
     """Emit and compile ``graph``; on failure walk the workaround ladder:
 
     1. fast flags (data tiling + inner-tiled VNNI path);
@@ -188,7 +189,8 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
     for workaround, extra, stock_opts in ladder:
         flags = (*iree_cpu.TARGET_FLAGS, *extra)
         tried_ukernel = False             # this step's microkernel module failed: stock convs
-        for opts in ([replace(stock_opts, ukernel_convs=True)] if uk and uk.obj else []) + \
+        for opts in ([replace(stock_opts, ukernel_convs=True, winograd=winograd)]
+                     if uk and uk.obj else []) + \
                 [stock_opts]:
             if opts not in texts:
                 module, em = emit(graph, opts)
@@ -225,7 +227,8 @@ def compile_graph(graph: Graph, batch: int, *, keep_dir: str | Path | None = Non
                         "float_residual_adds": sum(c.floating and c.residual for c in chains),
                         "attention": sum(c.attention is not None for c in chains),
                         "table_epilogue": sum(c.lut for c in chains),
-                        "depthwise": sum(c.depthwise for c in chains)}
+                        "depthwise": sum(c.depthwise for c in chains),
+                        "winograd": sum(c.shape.wino for c in chains)}
                 return BatchModule(batch, got, flags, name, graph, text, ukernel=info,
                                    pooled=pooled, finite_check=pooled and checked)
             errors.append(got)
@@ -340,15 +343,18 @@ class CpuRunner:
 
 
 def build(graphs: dict[int, Graph], *, keep_dir: str | Path | None = None,
-          ukernel_convs: bool | None = None) -> tuple[CpuRunner, dict[str, Any]]:
+          ukernel_convs: bool | None = None, winograd: bool = True
+          ) -> tuple[CpuRunner, dict[str, Any]]:
     """Compile one module per batch size; returns the runner and a compile report.
-    ``ukernel_convs``: the VNNI conv microkernel (None: where the host supports it)."""
+    ``ukernel_convs``: the VNNI conv microkernel (None: where the host supports it);
+    ``winograd``: its 3x3 stride-1 convs as Winograd F(4x4, 3x3) where they fit."""
     modules: dict[int, BatchModule] = {}
     times: dict[str, float] = {}
     uk = emit_ukernel.support(ukernel_convs)
     for batch, graph in sorted(graphs.items()):
         t0 = time.perf_counter()
-        modules[batch] = compile_graph(graph, batch, keep_dir=keep_dir, uk=uk)
+        modules[batch] = compile_graph(graph, batch, keep_dir=keep_dir, uk=uk,
+                                       winograd=winograd)
         times[str(batch)] = round(time.perf_counter() - t0, 3)
     first = graphs[min(graphs)]
     outputs = [OutputSpec(o.dtype.value, tuple(o.shape[1:])) for o in first.outputs]
@@ -370,7 +376,8 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
     float) and add their residual there (``float_residual_adds``), how many attention chains
     run as one fused dispatch (``attention``), how many chains store the table of the
     elementwise op after them (``table_epilogue``: GELU), how many are depthwise convs
-    (``depthwise``), and why the others kept the stock lowering."""
+    (``depthwise``), how many convs run as Winograd F(4x4, 3x3) (``winograd``), and why the
+    others kept the stock lowering."""
     infos = {b: m.ukernel for b, m in modules.items() if m.ukernel is not None}
     counts = {str(b): i["chains"] for b, i in sorted(infos.items())}
     used = any(counts.values())
@@ -390,5 +397,6 @@ def ukernel_report(uk: emit_ukernel.Support, modules: dict[int, BatchModule]) ->
                    float_residual_adds=last.get("float_residual_adds", 0),
                    attention=last.get("attention", 0),
                    table_epilogue=last.get("table_epilogue", 0),
-                   depthwise=last.get("depthwise", 0))
+                   depthwise=last.get("depthwise", 0),
+                   winograd=last.get("winograd", 0))
     return out

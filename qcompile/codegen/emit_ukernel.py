@@ -314,6 +314,8 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
                               rq_node.shape[1], rq_node.shape[2], depthwise=depthwise,
                               x_off=x_off, xstep=xstep,
                               pair=ukernel.pairs_fit(f, depthwise))
+    if conv.op is Op.QCONV2D and em.opts.winograd and ukernel.wino_fits(s, w) is None:
+        s = replace(s, wino=True)       # exact integer Winograd F(4x4, 3x3) (qk_wino_u8s8)
     # (a depthwise kernel writes no border for its readers)
     border = out_border(em, rq_node) if conv.op is Op.QCONV2D and not s.depthwise else None
     # a table that reads only this requantize: the kernel stores the table's entries
@@ -330,6 +332,7 @@ def emit(em: Emitter, rq_node: Node, pending: Pending, res: TV | None) -> TV:
     bias = folded_bias(np.asarray(conv.src[2].attrs.value), w, zp, conv) - rq.terms[0].zero_point
     extra: dict[str, Any] = {}
     packed = (ukernel.pack_dw_weights(w[..., 0], (s.sh, s.sw)) if s.depthwise
+              else ukernel.pack_wino_weights(w, s.c) if s.wino
               else ukernel.pack_weights(w, s.pair))
     operands = [_flat(xp), b.constant(packed, DType.I8)]
     if res is not None:

@@ -94,12 +94,15 @@ class EmitOptions:
     dispatch (:mod:`qcompile.codegen.emit_ukernel`); the module text then needs
     :func:`qcompile.codegen.emit_ukernel.link` before iree-compile. ``cpu_strategies``: preset
     IREE llvm-cpu tile strategies (``compilation_info``) on ops whose default strategy is slow;
-    off for the GPU targets, whose pipelines reject a CPU strategy."""
+    off for the GPU targets, whose pipelines reject a CPU strategy. ``winograd``: with the
+    microkernel, 3x3 stride-1 convs as exact Winograd F(4x4, 3x3) where they fit
+    (:func:`qcompile.codegen.ukernel.wino_fits`)."""
 
     split_dequant: bool = False
     s8_contractions: bool = False
     ukernel_convs: bool = False
     cpu_strategies: bool = True
+    winograd: bool = True
 
 
 class Emitter:

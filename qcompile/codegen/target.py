@@ -20,13 +20,15 @@ class CompileOptions:
     in pieces). ``float_ops``: the integer-only gate's policy. ``keep_dir``: where a failed
     compile leaves its MLIR (default: the current directory). ``analyze``: run the dispatch
     analysis (one extra ``--compile-to=flow`` per batch size). ``ukernel_convs``: lower conv
-    chains to the AVX-512 VNNI microkernel (None: when the host has VNNI and gcc)."""
+    chains to the AVX-512 VNNI microkernel (None: when the host has VNNI and gcc).
+    ``winograd``: its 3x3 stride-1 convs as exact Winograd F(4x4, 3x3) where they fit."""
 
     batch_sizes: tuple[int, ...] = (1,)
     float_ops: str = "fallback"
     keep_dir: str | None = None
     analyze: bool = True
     ukernel_convs: bool | None = None
+    winograd: bool = True
 
 
 def batch_sizes(q: QuantizedModel, wanted: tuple[int, ...]) -> tuple[int, ...]:
@@ -55,7 +57,8 @@ def compile_cpu(q: QuantizedModel, options: CompileOptions | None = None) -> Com
     lower_s = time.perf_counter() - t0
     runner, compile_report = cpu.build({b: r.graph for b, r in lowered.items()},
                                        keep_dir=options.keep_dir,
-                                       ukernel_convs=options.ukernel_convs)
+                                       ukernel_convs=options.ukernel_convs,
+                                       winograd=options.winograd)
     first = lowered[sizes[0]]
     report: dict[str, Any] = {"passes": first.stats, "residency": residency(first.graph),
                               "compile": {**compile_report, "lower_s": round(lower_s, 3)}}

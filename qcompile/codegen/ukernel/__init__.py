@@ -34,6 +34,7 @@ QUANT_SYMBOL = "qk_quantize_nchw"
 MULTI_SYMBOL = "qk_linear_multi"
 ATTN_SYMBOL = "qk_attention_u8"
 DW_SYMBOL = "qk_dwconv_u8s8"
+WINO_SYMBOL = "qk_wino_u8s8"
 CTX_SIZE = 4         # i64 operand of a pooled dispatch: qk_pool_run, the pool, 0, 0
 M_ENTRY = 4          # directory entry of a multi-linear call: first block, params, weights, out
 BASE_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
@@ -53,6 +54,7 @@ H_ZFOLD = 29        # header slot: the output zero point is folded into its roun
 H_FLOAT = 30        # header slot: a dequantize (f32 out, f32 residual)
 H_LUT = 31          # header slot: a 256-entry table applied to the requantized codes
 BLOCK = 64          # output channels per workgroup
+WINO_CHUNK = 12     # 4x4-pixel tiles per workgroup of the Winograd entry (two groups of 6)
 
 
 def cache_dir() -> Path:
@@ -161,6 +163,9 @@ class ConvShape:
     # time as 2F "virtual" channels (the first pixel's F, then the second's), so that no vector
     # is half empty; weights and per-channel tables are packed for the 2F
     pair: bool = False
+    # Winograd F(4x4, 3x3) (:func:`wino_fits`, qk_wino_u8s8): a 3x3 stride-1 conv whose
+    # workgroups are bands of 4 output rows, its weights packed by :func:`pack_wino_weights`
+    wino: bool = False
 
     @property
     def in_size(self) -> int:
@@ -193,11 +198,15 @@ class ConvShape:
         of 6 does not end in a short tile; a depthwise conv's is two output rows."""
         if self.depthwise:
             return 2 * self.ow
+        if self.wino:          # (Winograd: tiles of 4x4 pixels, two groups of 6)
+            return WINO_CHUNK
         tile = 12 if self.pair else 6        # (pairs: 6 pairs a tile)
         return tile * -(-self.ow // tile)
 
     @property
     def chunks(self) -> int:
+        if self.wino:
+            return -(-(-(-self.oh // 4) * -(-self.ow // 4)) // self.chunk)
         return -(-(self.oh * self.ow) // self.chunk)
 
 
@@ -275,6 +284,59 @@ def pack_weights(w: np.ndarray, pair: bool = False) -> np.ndarray:
         blk = wz[c0:c0 + BLOCK].reshape(-1, kh, kw, cp // 4, 4)
         parts.append(np.ascontiguousarray(np.transpose(blk, (1, 2, 3, 0, 4))).reshape(-1))
     return np.concatenate(parts)
+
+
+# Winograd F(4x4, 3x3) in integers (qk_wino_u8s8): G scaled row by row to integers (Gs = D G,
+# D = diag(4, 6, 6, 24, 24, 1)); the kernel's Bᵀ and Asᵀ = 24 Aᵀ D⁻¹ are in conv_vnni.c
+WINO_G = np.array([[1, 0, 0], [-1, -1, -1], [-1, 1, -1], [1, 2, 4], [1, -2, 4], [0, 0, 1]],
+                  np.int64)
+WINO_MAX_C = 256      # a block's transformed weights, 36 C 64 i16: 1.2 MB at 256
+# transformed weight bytes per output pixel above which the weights' traffic (8x the direct
+# kernel's) costs more than the Winograd sums save
+WINO_MAX_WEIGHT_BYTES = 8192
+WINO_Y_BITS = 25      # |Y| < 2^25: Y is recovered from 576 Y modulo 2^32
+
+
+def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
+    """Why the conv ``s`` with weights ``w[F, KH, KW, C]`` (s8) cannot run as Winograd F(4x4,
+    3x3) (``qk_wino_u8s8``), None where it can: a 3x3 stride-1 conv without dilation over
+    plain NHWC input whose padded C is a multiple of 32 (at most :data:`WINO_MAX_C`) and F a
+    multiple of 64; with at most :data:`WINO_MAX_WEIGHT_BYTES` of transformed weights per
+    output pixel of the call (resnet18, batch 1, one process: 4.63 ms direct, 4.35 with this
+    bound, 4.93 with the 14x14x256 convs too; at batch 8 each shard of 4 takes those); and
+    whose exact sums stay below 2^25 for every input (128 · Σ|w| per output channel: the
+    kernel recovers Y from 576 Y modulo 2^32). ``speed`` False: the kernel's conditions only
+    (not the bounds of C and of the weight bytes per pixel, which are where it pays)."""
+    if (s.kh, s.kw, s.sh, s.sw, s.dh, s.dw) != (3, 3, 1, 1, 1, 1):
+        return "not a 3x3 stride-1 conv"
+    if s.depthwise or s.pair or s.xstep or s.x_off:
+        return "not a plain NHWC conv"
+    if s.c % 32 or s.f % 64:
+        return "C not a multiple of 32 or F of 64"
+    if speed and s.c > WINO_MAX_C:
+        return f"C above {WINO_MAX_C} (a block's transformed weights would not stay in L2)"
+    per_pixel = 36 * s.c * s.fp * 2 / (s.n * s.oh * s.ow)
+    if speed and per_pixel > WINO_MAX_WEIGHT_BYTES:
+        return (f"too few output pixels for its transformed weights ({per_pixel:.0f} bytes "
+                f"per pixel at batch {s.n})")
+    if 128 * int(np.abs(w.astype(np.int64)).reshape(w.shape[0], -1).sum(1).max()) \
+            >= 2**WINO_Y_BITS:
+        return "weights too large for the exact recovery"
+    return None
+
+
+def pack_wino_weights(w: np.ndarray, c: int) -> np.ndarray:
+    """``w[F, 3, 3, C]`` (s8) → ``qk_wino_u8s8``'s weights as bytes: per block of 64 output
+    channels ``U = Gs g Gsᵀ`` as ``[36][c/2][64][2]`` i16 (``c`` the padded channels), then
+    ``128 · Σ w`` per output channel (i32: the kernel's inputs are centered, ``u8 - 128``)."""
+    f = w.shape[0]
+    g = np.zeros((f, 3, 3, c), np.int64)
+    g[..., :w.shape[3]] = w
+    u = np.einsum("ai,fijc,bj->fcab", WINO_G, g, WINO_G).reshape(f, c // 2, 2, 36)
+    blocks = [np.transpose(u[b:b + BLOCK], (3, 1, 0, 2)) for b in range(0, f, BLOCK)]
+    packed = np.ascontiguousarray(np.stack(blocks)).astype(np.int16)
+    corr = (128 * g.reshape(f, -1).sum(1)).astype(np.int32)
+    return np.concatenate([packed.reshape(-1).view(np.int8), corr.view(np.int8)])
 
 
 DW_MAX_KW = 9          # three tap groups of three per kernel row (qk_dwconv_u8s8)
@@ -504,7 +566,8 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
     elif residual:
         ins.append((et, s.n * s.oh * s.ow * s.f))
     order = [0, 1, 2, 3 if residual or matmul else 0, len(ins)]
-    symbol = MATMUL_SYMBOL if matmul else DW_SYMBOL if s.depthwise else SYMBOL
+    symbol = (MATMUL_SYMBOL if matmul else DW_SYMBOL if s.depthwise else WINO_SYMBOL if s.wino
+              else SYMBOL)
     return _executable(name, obj, ins, (et, s.out_size), order, symbol,
                        (s.blocks, s.chunks, s.n), target, entry, pooled)
 

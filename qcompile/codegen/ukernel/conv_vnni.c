@@ -52,8 +52,24 @@ typedef struct {
 // second's first 8 in its high lanes (one blend of the two broadcasts), the vectors before it
 // the first pixel's, after it the second's: every lane real, where one pixel alone would leave
 // half a vector empty.
+//
+// FROMBUF (pairs == FROMBUF): the accumulators were formed elsewhere (the Winograd entry) and
+// xs[m] points to pixel m's NR*16 i32 sums; the tile loads them (plus init) and the epilogue
+// runs as for the others.
+enum { FROMBUF = 2 };
 INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* const* xt,
                  __m512i acc[6][4], int MR, int NR, const int32_t* init, const int pairs) {
+  if (pairs == FROMBUF) {
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_loadu_si512((const void*)((const int32_t*)xs[m] + 16 * j));
+        acc[m][j] = init ? _mm512_add_epi32(v, _mm512_loadu_si512((const void*)(init + 16 * j)))
+                         : v;
+      }
+    return;
+  }
 #pragma GCC unroll 6
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -456,15 +472,15 @@ INLINE void run_tile(const conv_args* a, const epi_args* e, const terms_args* t,
     }
 }
 
-#define TILE_RUN(MR, NR, L) run_tile(a, e, t, xs, 0, c0, f, rs, ys, MR, NR, L, 0)
-#define TILE_CASE(MR, NR)                                                                 \
+#define TILE_RUN(MR, NR, L, P) run_tile(a, e, t, xs, 0, c0, f, rs, ys, MR, NR, L, P)
+#define TILE_CASE(MR, NR, P)                                                               \
   case MR:                                                                                \
     switch (lean) {                                                                       \
-      case LEAN: TILE_RUN(MR, NR, LEAN); break;                                           \
-      case LEAN | LEAN_RES: TILE_RUN(MR, NR, LEAN | LEAN_RES); break;                     \
-      case LEAN | LEAN_K: TILE_RUN(MR, NR, LEAN | LEAN_K); break;                         \
-      case LEAN | LEAN_RES | LEAN_K: TILE_RUN(MR, NR, LEAN | LEAN_RES | LEAN_K); break;    \
-      default: TILE_RUN(MR, NR, 0); break;                                                \
+      case LEAN: TILE_RUN(MR, NR, LEAN, P); break;                                        \
+      case LEAN | LEAN_RES: TILE_RUN(MR, NR, LEAN | LEAN_RES, P); break;                  \
+      case LEAN | LEAN_K: TILE_RUN(MR, NR, LEAN | LEAN_K, P); break;                      \
+      case LEAN | LEAN_RES | LEAN_K: TILE_RUN(MR, NR, LEAN | LEAN_RES | LEAN_K, P); break; \
+      default: TILE_RUN(MR, NR, 0, P); break;                                             \
     }                                                                                     \
     break;
 // A whole tile of 6 pixels (or 6 pixel pairs: PAIRS, xt) for each block width and epilogue
@@ -491,6 +507,7 @@ TILE6_NR(3, 0, )
 TILE6_NR(4, 0, )
 TILE6_NR(1, 1, p)
 TILE6_NR(3, 1, p)
+TILE6_NR(4, FROMBUF, b)
 // [NR - 1][lean]: the lean form's bits index it (LEAN_RES and LEAN_K come with LEAN)
 static const tile6_fn TILE6_FNS[4][8] = {
     {tile6_1_0, tile6_1_1, 0, tile6_1_3, 0, tile6_1_5, 0, tile6_1_7},
@@ -501,6 +518,9 @@ static const tile6_fn TILE6_FNS[4][8] = {
 static const tile6_fn TILE6P_FNS[2][8] = {
     {tile6p_1_0, tile6p_1_1, 0, tile6p_1_3, 0, tile6p_1_5, 0, tile6p_1_7},
     {tile6p_3_0, tile6p_3_1, 0, tile6p_3_3, 0, tile6p_3_5, 0, tile6p_3_7}};
+// accumulators from a buffer (FROMBUF: the Winograd entry; 64-channel blocks): [lean]
+static const tile6_fn TILE6B_FNS[8] = {tile6b_4_0, tile6b_4_1, 0, tile6b_4_3, 0, tile6b_4_5, 0,
+                                       tile6b_4_7};
 
 // n bytes (up to a few hundred) from s to d
 INLINE void copy_bytes(uint8_t* d, const uint8_t* s, int64_t n) {
@@ -512,19 +532,20 @@ INLINE void copy_bytes(uint8_t* d, const uint8_t* s, int64_t n) {
 }
 
 // a short tile (mr < 6 pixels: a chunk's last), through a switch on mr and the form
-#define TILES(NR)                                                                         \
-  static void tiles_##NR(const conv_args* a, const epi_args* e, const terms_args* t,      \
+#define TILES(NR, P, NAME)                                                                \
+  static void NAME(const conv_args* a, const epi_args* e, const terms_args* t,      \
                          const uint8_t* const* xs, int64_t c0, int64_t f,                 \
                          const uint8_t* const* rs, uint8_t* const* ys, int mr, int lean) { \
     switch (mr) {                                                                         \
-      TILE_CASE(1, NR) TILE_CASE(2, NR) TILE_CASE(3, NR) TILE_CASE(4, NR)                 \
-      TILE_CASE(5, NR)                                                                    \
+      TILE_CASE(1, NR, P) TILE_CASE(2, NR, P) TILE_CASE(3, NR, P) TILE_CASE(4, NR, P)     \
+      TILE_CASE(5, NR, P)                                                                 \
     }                                                                                     \
   }
-TILES(1)
-TILES(2)
-TILES(3)
-TILES(4)
+TILES(1, 0, tiles_1)
+TILES(2, 0, tiles_2)
+TILES(3, 0, tiles_3)
+TILES(4, 0, tiles_4)
+TILES(4, FROMBUF, tiles_b4)
 
 // The epilogue's parameters from the header h (pack_params): its scalars, then the per-channel
 // tables of fp channels each.
@@ -556,6 +577,31 @@ INLINE void epi_init(const int64_t* h, epi_args* e) {
   e->lut = h[H_LUT] ? (const int32_t*)(lt + 1) : 0;
   e->lut8 = (const uint8_t*)(lt + 1 + 128);
   e->lut_lo = h[H_LUT] ? (int32_t)lt[0] : 0;
+}
+
+// The output's border (H_YPT rows and H_YPL columns on each side, H_YFILL) next to the output
+// pixels [p0, p1) of one image's 64-channel block at ybase: the left border of each row that
+// starts among them, the right border of each that ends among them, the top rows with the
+// first pixel and the bottom rows with the last.
+static void fill_border(const int64_t* h, uint8_t* ybase, int64_t c0, int64_t p0, int64_t p1) {
+  const int64_t pt = h[H_YPT], pl = h[H_YPL], ow = h[H_OW], f = h[H_F], ohn = h[H_OH];
+  const int64_t owp = ow + 2 * pl;
+  const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
+  const int64_t left = f - c0;
+  const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+  const int64_t r0 = p0 / ow, r1 = (p1 - 1) / ow;   // output rows these pixels touch
+  for (int64_t r = r0; r <= r1; ++r) {
+    uint8_t* row = ybase + (r + pt) * owp * f;
+    if (r * ow >= p0)                                   // the row starts here
+      for (int64_t x = 0; x < pl; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
+    if (r * ow + ow <= p1)                              // the row ends here
+      for (int64_t x = ow + pl; x < owp; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
+  }
+  if (p0 == 0)
+    for (int64_t x = 0; x < pt * owp; ++x) _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
+  if (p1 == ohn * ow)
+    for (int64_t x = (ohn + pt) * owp; x < (ohn + 2 * pt) * owp; ++x)
+      _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
 }
 
 // One chunk of H_CHUNK output pixels (flattened over OH x OW, so a tile of 6 may span rows) of
@@ -603,25 +649,7 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
   // (without a residual the pointers are never read: formed from the output buffer instead)
   const uint8_t* rbase =
       (e.res ? rb + ro * esz : yb) + (n * (ohn + 2 * rpt) * owr * f + c0) * esz;
-  if (pt || pl) {
-    const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
-    const int64_t left = f - c0;
-    const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-    const int64_t r0 = p0 / ow, r1 = (p1 - 1) / ow;   // output rows this chunk touches
-    for (int64_t r = r0; r <= r1; ++r) {
-      uint8_t* row = ybase + (r + pt) * owp * f;
-      if (r * ow >= p0)                                   // the row starts in this chunk
-        for (int64_t x = 0; x < pl; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
-      if (r * ow + ow <= p1)                              // the row ends in this chunk
-        for (int64_t x = ow + pl; x < owp; ++x)
-          _mm512_mask_storeu_epi8(row + x * f, mask, fill);
-    }
-    if (p0 == 0)
-      for (int64_t x = 0; x < pt * owp; ++x) _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
-    if (p1 == pixels)
-      for (int64_t x = (ohn + pt) * owp; x < (ohn + 2 * pt) * owp; ++x)
-        _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
-  }
+  if (pt || pl) fill_border(h, ybase, c0, p0, p1);
   terms_args tt;
   const terms_args* t = 0;
   if (terms) {
@@ -732,6 +760,278 @@ void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
                     const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro,
                     uint8_t* yb, int64_t yo, int64_t blk, int64_t chunk, int64_t n) {
   conv_chunk(xb, xo, wb, wo, pb, po, rb, ro, 0, yb, yo, blk, chunk, n);
+}
+
+// ---- Winograd F(4x4, 3x3): qk_wino_u8s8 -----------------------------------------------------
+//
+// A 3x3 stride-1 conv as F(4x4, 3x3) (Lavin & Gray) in exact integer arithmetic: per 4x4 tile
+// of output pixels, the 6x6 input patch (centered: u8 - 128, i16) goes through
+// V = Bᵀ d B (|V| <= 100 * 128), the weights were packed as U = Gs g Gsᵀ (i16, |U| <= 49 * 127;
+// Gs = D G with D = diag(4, 6, 6, 24, 24, 1) makes G integral), the 36 products U ⊙ V are summed
+// over the input channels by vpdpwssd (i32, wrapping), and Z = As ᵀ M As (As = 24 D⁻¹ A, integral)
+// equals 576 Y modulo 2^32, Y the tile's exact sum of (x - 128) w. Since 576 = 64 * 9 and every
+// step is a ring operation, Y modulo 2^26 is (Z >> 6) * 9⁻¹ (mod 2^32), and Y itself is that
+// sign-extended from 26 bits wherever |Y| < 2^25, which pack_wino_weights checks from the
+// weights (128 * sum |w| < 2^25 per output channel). Adding 128 * sum w gives the direct
+// kernel's accumulator bit for bit; the requantize epilogue is the direct kernel's (FROMBUF).
+// Patch rows or columns past the padded input (the last tiles of an image whose OH or OW is no
+// multiple of 4) read the last row or column instead: they only reach outputs past OH x OW,
+// which are not stored.
+//
+// The weights: per block [36][C/2][64][2] i16, then 128 * sum w (i32, FP).
+// C (padded) a multiple of 32, F a multiple of 64.
+enum { WMR = 6, WCH = 32 };       // tiles per group (the GEMM's rows), channels per transform
+
+// 1-D transform Bᵀ d of six i16 vectors
+INLINE void wino_bt(const __m512i d[6], __m512i t[6]) {
+  const __m512i a = _mm512_sub_epi16(d[4], d[2]);                          // d4 - d2
+  const __m512i b = _mm512_sub_epi16(d[3], d[1]);                          // d3 - d1
+  t[0] = _mm512_add_epi16(_mm512_slli_epi16(_mm512_sub_epi16(d[0], d[2]), 2), a);
+  t[1] = _mm512_sub_epi16(_mm512_add_epi16(d[3], d[4]),
+                          _mm512_slli_epi16(_mm512_add_epi16(d[1], d[2]), 2));
+  t[2] = _mm512_add_epi16(_mm512_sub_epi16(d[4], d[3]),
+                          _mm512_slli_epi16(_mm512_sub_epi16(d[1], d[2]), 2));
+  t[3] = _mm512_add_epi16(a, _mm512_slli_epi16(b, 1));
+  t[4] = _mm512_sub_epi16(a, _mm512_slli_epi16(b, 1));
+  t[5] = _mm512_add_epi16(_mm512_sub_epi16(_mm512_slli_epi16(d[1], 2), _mm512_slli_epi16(d[3], 2)),
+                          _mm512_sub_epi16(d[5], d[3]));
+}
+
+// 1-D transform Asᵀ m of six i32 vectors into four (rows 6 4 4 1 1 0 / 0 4 -4 2 -2 0 /
+// 0 4 4 4 4 0 / 0 4 -4 8 -8 24)
+INLINE void wino_at(const __m512i m[6], __m512i z[4]) {
+  const __m512i s12 = _mm512_add_epi32(m[1], m[2]), d12 = _mm512_sub_epi32(m[1], m[2]);
+  const __m512i s34 = _mm512_add_epi32(m[3], m[4]), d34 = _mm512_sub_epi32(m[3], m[4]);
+  const __m512i m0 = _mm512_add_epi32(_mm512_slli_epi32(m[0], 1), m[0]);      // 3 m0
+  z[0] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(m0, _mm512_slli_epi32(s12, 1)), 1),
+                          s34);                                                // 6m0 + 4s12 + s34
+  z[1] = _mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(d12, 1), d34), 1);
+  z[2] = _mm512_slli_epi32(_mm512_add_epi32(s12, s34), 2);
+  const __m512i m5 = _mm512_add_epi32(_mm512_slli_epi32(m[5], 1), m[5]);      // 3 m5
+  z[3] = _mm512_slli_epi32(_mm512_add_epi32(_mm512_add_epi32(d12, _mm512_slli_epi32(d34, 1)),
+                                            _mm512_slli_epi32(m5, 1)), 2);    // 4d12+8d34+24m5
+}
+
+// The transformed input of mr tiles, channels cc .. cc + 31, as v[pos][m][32] i16: tile m's
+// patch row i at x + roff[6 m + i], column j at coff[6 m + j]
+INLINE void wino_input(const uint8_t* x, const int64_t* roff, const int64_t* coff, int mr,
+                       int64_t cc, int16_t* v) {
+  const __m512i bias = _mm512_set1_epi16(128);
+  for (int m = 0; m < mr; ++m) {
+    __m512i r[6][6];
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; ++i) {
+      const uint8_t* xr = x + roff[6 * m + i] + cc;
+      __m512i d[6];
+#pragma GCC unroll 6
+      for (int j = 0; j < 6; ++j)
+        d[j] = _mm512_sub_epi16(
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(xr + coff[6 * m + j]))),
+            bias);
+      wino_bt(d, r[i]);
+    }
+#pragma GCC unroll 6
+    for (int k = 0; k < 6; ++k) {
+      __m512i d[6], t[6];
+#pragma GCC unroll 6
+      for (int i = 0; i < 6; ++i) d[i] = r[i][k];
+      wino_bt(d, t);
+#pragma GCC unroll 6
+      for (int a = 0; a < 6; ++a)
+        _mm512_storeu_si512((void*)(v + ((a * 6 + k) * WMR + m) * WCH), t[a]);
+    }
+  }
+}
+
+// acc[pos][m][64] (+)= v[pos][m][32] · u[pos][32 channels][64] for the 36 positions
+INLINE void wino_gemm(const int16_t* v, const int16_t* u, int64_t pairs, int32_t* acc,
+                      const int first, const int MR) {
+  for (int pos = 0; pos < 36; ++pos) {
+    __m512i s[WMR][4];
+    int32_t* ap = acc + pos * WMR * 64;
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        s[m][j] = first ? _mm512_setzero_si512()
+                        : _mm512_loadu_si512((const void*)(ap + m * 64 + 16 * j));
+    const int16_t* vp = v + pos * WMR * WCH;
+    const int16_t* up = u + pos * pairs * 128;
+#pragma GCC unroll 2
+    for (int q = 0; q < WCH / 2; ++q) {
+      __m512i w[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_si512((const void*)(up + q * 128 + 32 * j));
+#pragma GCC unroll 6
+      for (int m = 0; m < MR; ++m) {
+        const __m512i x = _mm512_set1_epi32(*(const int32_t*)(vp + m * WCH + 2 * q));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) s[m][j] = _mm512_dpwssd_epi32(s[m][j], x, w[j]);
+      }
+      // (each accumulator in a register: without this gcc 12 copies them between registers
+      // and the stack on every step, as in tile())
+#pragma GCC unroll 6
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) __asm__("" : "+v"(s[m][j]));
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512((void*)(ap + m * 64 + 16 * j), s[m][j]);
+  }
+}
+
+#define WINO_GEMM(MR, FIRST)                                                                 \
+  static __attribute__((noinline)) void wino_gemm_##MR##_##FIRST(                           \
+      const int16_t* v, const int16_t* u, int64_t pairs, int32_t* acc) {                     \
+    wino_gemm(v, u, pairs, acc, FIRST, MR);                                                  \
+  }
+#define WINO_GEMMS(MR) WINO_GEMM(MR, 0) WINO_GEMM(MR, 1)
+WINO_GEMMS(1) WINO_GEMMS(2) WINO_GEMMS(3) WINO_GEMMS(4) WINO_GEMMS(5) WINO_GEMMS(6)
+typedef void (*wino_gemm_fn)(const int16_t*, const int16_t*, int64_t, int32_t*);
+static const wino_gemm_fn WINO_GEMM_FNS[WMR][2] = {
+    {wino_gemm_1_0, wino_gemm_1_1}, {wino_gemm_2_0, wino_gemm_2_1},
+    {wino_gemm_3_0, wino_gemm_3_1}, {wino_gemm_4_0, wino_gemm_4_1},
+    {wino_gemm_5_0, wino_gemm_5_1}, {wino_gemm_6_0, wino_gemm_6_1}};
+
+// The sums of mr tiles (acc) back to pixels: ypix[row][4 m + col][64] i32, the direct kernel's
+// accumulators (Y plus 128 * sum w: corr, the block's 64 channels)
+static void wino_output(const int32_t* acc, int mr, const int32_t* corr, int32_t* ypix) {
+  const __m512i inv9 = _mm512_set1_epi32((int32_t)954437177);      // 9 * inv9 == 1 mod 2^32
+  for (int m = 0; m < mr; ++m)
+#pragma GCC unroll 1
+    for (int j = 0; j < 4; ++j) {
+      __m512i t[4][6];
+#pragma GCC unroll 6
+      for (int k = 0; k < 6; ++k) {
+        __m512i col[6], z[4];
+#pragma GCC unroll 6
+        for (int a = 0; a < 6; ++a)
+          col[a] = _mm512_loadu_si512((const void*)(acc + ((a * 6 + k) * WMR + m) * 64 + 16 * j));
+        wino_at(col, z);
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) t[p][k] = z[p];
+      }
+      const __m512i c = _mm512_loadu_si512((const void*)(corr + 16 * j));
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        __m512i z[4];
+        wino_at(t[p], z);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+          __m512i y = _mm512_mullo_epi32(_mm512_srai_epi32(z[q], 6), inv9);
+          y = _mm512_srai_epi32(_mm512_slli_epi32(y, 6), 6);
+          _mm512_storeu_si512((void*)(ypix + (p * 4 * WMR + 4 * m + q) * 64 + 16 * j),
+                              _mm512_add_epi32(y, c));
+        }
+      }
+    }
+}
+
+// The output's border (H_YPT, H_YPL, H_YFILL) next to the output rows r0 .. r1 - 1: their left
+// columns (left), their right columns (right), the top rows (top), the bottom rows (bottom)
+static void fill_edges(const int64_t* h, uint8_t* ybase, int64_t c0, int64_t r0, int64_t r1,
+                       int left, int right, int top, int bottom) {
+  const int64_t pt = h[H_YPT], pl = h[H_YPL], ow = h[H_OW], f = h[H_F], ohn = h[H_OH];
+  const int64_t owp = ow + 2 * pl;
+  const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
+  const int64_t lf = f - c0;
+  const __mmask64 mask = lf >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << lf) - 1);
+  for (int64_t r = r0; r < r1; ++r) {
+    uint8_t* row = ybase + (r + pt) * owp * f;
+    if (left)
+      for (int64_t x = 0; x < pl; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
+    if (right)
+      for (int64_t x = ow + pl; x < owp; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
+  }
+  if (top)
+    for (int64_t x = 0; x < pt * owp; ++x) _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
+  if (bottom)
+    for (int64_t x = (ohn + pt) * owp; x < (ohn + 2 * pt) * owp; ++x)
+      _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
+}
+
+// One call: H_CHUNK tiles of 4x4 output pixels (flattened over the image's bands of 4 rows and
+// the tiles across a band, so that a chunk may span bands) of image n, one block of 64 output
+// channels, in groups of up to WMR tiles.
+void qk_wino_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
+                  const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro, uint8_t* yb,
+                  int64_t yo, int64_t blk, int64_t chunk, int64_t n) {
+  const int64_t* h = pb + po;
+  const int64_t hp = h[H_HP], wp = h[H_WP], c = h[H_C], ow = h[H_OW], f = h[H_F];
+  const int64_t ohn = h[H_OH];
+  const int64_t c0 = blk * 64;
+  epi_args e;
+  epi_init(h, &e);
+  const int lean = lean_mode(&e);
+  const tile6_fn tile6 = TILE6B_FNS[lean];
+  const int64_t row = wp * c;
+  const uint8_t* x = xb + xo + n * hp * row;
+  const int16_t* u = (const int16_t*)(wb + wo) + blk * 36 * c * 64;
+  const int32_t* corr =
+      (const int32_t*)((const int16_t*)(wb + wo) + h[H_FP] / 64 * 36 * c * 64) + c0;
+  const int64_t pt = h[H_YPT], pl = h[H_YPL], owp = ow + 2 * pl;
+  uint8_t* ybase = yb + yo + n * (ohn + 2 * pt) * owp * f + c0;
+  const int64_t rpt = h[H_RPT], rpl = h[H_RPL], owr = ow + 2 * rpl;
+  const uint8_t* rbase = (e.res ? rb + ro : yb) + n * (ohn + 2 * rpt) * owr * f + c0;
+  const int64_t tw = (ow + 3) / 4, tiles = tw * ((ohn + 3) / 4);
+  const int64_t q0 = chunk * h[H_CHUNK];
+  const int64_t q1 = q0 + h[H_CHUNK] < tiles ? q0 + h[H_CHUNK] : tiles;
+  if (pt || pl)
+    for (int64_t b = q0 / tw; b <= (q1 - 1) / tw; ++b)        // the bands these tiles touch
+      fill_edges(h, ybase, c0, 4 * b, 4 * b + 4 < ohn ? 4 * b + 4 : ohn, b * tw >= q0,
+                 b * tw + tw <= q1, q0 == 0 && b == 0, q1 == tiles && b * tw + tw == tiles);
+  _Alignas(64) int16_t v[36 * WMR * WCH];
+  _Alignas(64) int32_t acc[36 * WMR * 64];
+  _Alignas(64) int32_t ypix[4 * 4 * WMR * 64];
+  const int64_t groups = (q1 - q0 + WMR - 1) / WMR;
+  for (int64_t g = 0, t0 = q0; g < groups; ++g) {
+    const int mr = (int)((q1 - t0 + (groups - g) - 1) / (groups - g));   // balanced groups
+    int64_t roff[6 * WMR], coff[6 * WMR];
+    for (int m = 0; m < mr; ++m)
+      for (int j = 0; j < 6; ++j) {
+        // (patch rows and columns past the padded input read its last: see above)
+        const int64_t ry = 4 * ((t0 + m) / tw) + j, cx = 4 * ((t0 + m) % tw) + j;
+        roff[6 * m + j] = (ry < hp ? ry : hp - 1) * row;
+        coff[6 * m + j] = (cx < wp ? cx : wp - 1) * c;
+      }
+    for (int64_t cc = 0; cc < c; cc += WCH) {
+      wino_input(x, roff, coff, mr, cc, v);
+      WINO_GEMM_FNS[mr - 1][cc == 0](v, u + cc * 64, c / 2, acc);
+    }
+    wino_output(acc, mr, corr, ypix);
+    // the epilogue: each run of the group's tiles in one band, row by row, six pixels at a time
+    for (int m0 = 0; m0 < mr;) {
+      const int64_t band = (t0 + m0) / tw;
+      int m1 = m0 + 1;
+      while (m1 < mr && (t0 + m1) / tw == band) ++m1;
+      const int64_t x0 = 4 * ((t0 + m0) % tw);
+      const int64_t x1 = x0 + 4 * (m1 - m0) < ow ? x0 + 4 * (m1 - m0) : ow;
+      for (int p = 0; p < 4 && 4 * band + p < ohn; ++p) {
+        const int64_t r = 4 * band + p;
+        for (int64_t xx = x0; xx < x1; xx += 6) {
+          const int k = x1 - xx >= 6 ? 6 : (int)(x1 - xx);
+          const uint8_t* xs[6];
+          uint8_t* ys[6];
+          const uint8_t* rs[6];
+          for (int m = 0; m < 6; ++m) {
+            const int64_t px = xx + (m < k ? m : 0);
+            xs[m] = (const uint8_t*)(ypix + (p * 4 * WMR + 4 * m0 + px - x0) * 64);
+            ys[m] = ybase + ((r + pt) * owp + px + pl) * f;
+            rs[m] = rbase + ((r + rpt) * owr + px + rpl) * f;
+          }
+          const uint8_t* const* rp = e.res ? rs : 0;
+          if (k == 6)
+            tile6(0, &e, 0, xs, 0, c0, f, rp, ys);
+          else
+            tiles_b4(0, &e, 0, xs, c0, f, rp, ys, k, lean);
+        }
+      }
+      m0 = m1;
+    }
+    t0 += mr;
+  }
 }
 
 // A batch of GEMMs x[n] (u8, [M, K]) times w[n] (s8, packed per image) with the zero-point terms
@@ -1838,6 +2138,11 @@ PAR_ENTRY(qk_conv2d_u8s8,
           qk_conv2d_u8s8(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
                          PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, const uint8_t*),
                          PAR_ARG(a, 4, uint8_t*), PAR_IDS(a, i)),
+          P5(const uint8_t*, const int8_t*, const int64_t*, const uint8_t*, uint8_t*), S5)
+PAR_ENTRY(qk_wino_u8s8,
+          qk_wino_u8s8(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
+                       PAR_ARG(a, 2, const int64_t*), PAR_ARG(a, 3, const uint8_t*),
+                       PAR_ARG(a, 4, uint8_t*), PAR_IDS(a, i)),
           P5(const uint8_t*, const int8_t*, const int64_t*, const uint8_t*, uint8_t*), S5)
 PAR_ENTRY(qk_matmul_u8s8,
           qk_matmul_u8s8(PAR_ARG(a, 0, const uint8_t*), PAR_ARG(a, 1, const int8_t*),
