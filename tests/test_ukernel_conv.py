@@ -547,7 +547,7 @@ def test_winograd_fits__only_where_the_recovery_is_exact():
     w = np.full((64, 3, 3, 64), 127, np.int8)
     assert ukernel.wino_fits(s, w) is None                    # 128 · 576 · 127 < 2^25
     # 128 · 2304 · 127 >= 2^25 (a worst case real weights do not reach): the direct kernel
-    s256 = replace(s, c=256)
+    s256 = replace(s, c=256, n=8)
     assert "too large" in ukernel.wino_fits(s256, np.full((64, 3, 3, 256), 127, np.int8))
     edge = np.zeros((64, 3, 3, 256), np.int8)
     edge[5].flat[:2064] = -127                                 # 128 · 262128 < 2^25
@@ -563,11 +563,13 @@ def test_winograd_fits__only_where_the_recovery_is_exact():
                                                                          np.int8))
     assert "plain" in ukernel.wino_fits(replace(s, x_off=64), w)
     # 36 · 256 · 256 · 2 bytes of transformed weights over 14 x 14 pixels: 24 KB per pixel at
-    # batch 1 (the weights' traffic costs more than the sums save), 6 KB at batch 4
+    # batch 1 and 6 KB at batch 4 (the weights' traffic costs more than the sums save), 3 KB
+    # at batch 8
     deep = ukernel.ConvShape(1, 16, 16, 256, 256, 3, 3, 1, 1, 1, 1, 14, 14)
     w256 = np.ones((256, 3, 3, 256), np.int8)
     assert "too few output pixels" in ukernel.wino_fits(deep, w256)
-    assert ukernel.wino_fits(replace(deep, n=4), w256) is None
+    assert "too few output pixels" in ukernel.wino_fits(replace(deep, n=4), w256)
+    assert ukernel.wino_fits(replace(deep, n=8), w256) is None
     assert ukernel.wino_fits(deep, w256, speed=False) is None     # the kernel takes both
     assert ukernel.wino_fits(replace(s, c=512), np.zeros((64, 3, 3, 512), np.int8),
                              speed=False) is None
@@ -599,7 +601,7 @@ class _WinoBlocks(torch.nn.Module):
 
 
 @needs_vnni
-def test_winograd_convs__bit_exact_in_a_model_and_counted_and_off_on_request():
+def test_winograd_convs__bit_exact_in_a_model_and_counted_and_off_on_request(monkeypatch):
     q, batches, em, convs = _emitted_convs(_WinoBlocks(), 27, 34)
     wino = sorted(k for k, s in convs.items() if s.wino)
     assert wino == ["a1 conv2d_1", "a2 conv2d_2", "c1 conv2d_4", "c2 conv2d_5"]
@@ -607,9 +609,13 @@ def test_winograd_convs__bit_exact_in_a_model_and_counted_and_off_on_request():
     assert (a2.oh, a2.ow) == (14, 17) and a2.out_pad == (1, 1) and c2.res_pad == (1, 1)
     # 4 bands of 5 tiles in chunks of 12: chunks and groups of 6 that start and end mid-band
     assert (a2.chunks, a2.chunk) == (2, 12)
-    for on in (True, False):
+    # pooled (batch 1 on qcompile's pool) and on IREE's task workers, whose 128 KB stacks hold
+    # the kernel's ~94 KB of buffers (QCOMPILE_POOL=0); the direct kernel with winograd off
+    for on, pool in ((True, "1"), (True, "0"), (False, "1")):
+        monkeypatch.setenv("QCOMPILE_POOL", pool)
         model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False,
                                               ukernel_convs=True, winograd=on))
+        assert model.report["compile"]["pooled_batches"] == ([1, 4] if pool == "1" else [])
         _assert_bit_exact(model, batches[1][0])
         rep = model.report["compile"]["ukernel"]
         assert rep["chains"] == {"1": 7, "4": 7} and rep["winograd"] == (4 if on else 0)
