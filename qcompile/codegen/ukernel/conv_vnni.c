@@ -579,29 +579,37 @@ INLINE void epi_init(const int64_t* h, epi_args* e) {
   e->lut_lo = h[H_LUT] ? (int32_t)lt[0] : 0;
 }
 
-// The output's border (H_YPT rows and H_YPL columns on each side, H_YFILL) next to the output
-// pixels [p0, p1) of one image's 64-channel block at ybase: the left border of each row that
-// starts among them, the right border of each that ends among them, the top rows with the
-// first pixel and the bottom rows with the last.
-static void fill_border(const int64_t* h, uint8_t* ybase, int64_t c0, int64_t p0, int64_t p1) {
+// The output's border (H_YPT, H_YPL, H_YFILL) next to the output rows r0 .. r1 - 1: their left
+// columns (left), their right columns (right), the top rows (top), the bottom rows (bottom)
+static void fill_edges(const int64_t* h, uint8_t* ybase, int64_t c0, int64_t r0, int64_t r1,
+                       int left, int right, int top, int bottom) {
   const int64_t pt = h[H_YPT], pl = h[H_YPL], ow = h[H_OW], f = h[H_F], ohn = h[H_OH];
   const int64_t owp = ow + 2 * pl;
   const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
-  const int64_t left = f - c0;
-  const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-  const int64_t r0 = p0 / ow, r1 = (p1 - 1) / ow;   // output rows these pixels touch
-  for (int64_t r = r0; r <= r1; ++r) {
+  const int64_t lf = f - c0;
+  const __mmask64 mask = lf >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << lf) - 1);
+  for (int64_t r = r0; r < r1; ++r) {
     uint8_t* row = ybase + (r + pt) * owp * f;
-    if (r * ow >= p0)                                   // the row starts here
+    if (left)
       for (int64_t x = 0; x < pl; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
-    if (r * ow + ow <= p1)                              // the row ends here
+    if (right)
       for (int64_t x = ow + pl; x < owp; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
   }
-  if (p0 == 0)
+  if (top)
     for (int64_t x = 0; x < pt * owp; ++x) _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
-  if (p1 == ohn * ow)
+  if (bottom)
     for (int64_t x = (ohn + pt) * owp; x < (ohn + 2 * pt) * owp; ++x)
       _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
+}
+
+// The output's border next to the output pixels [p0, p1) of one image's 64-channel block at
+// ybase: the left border of each row that starts among them, the right border of each that
+// ends among them, the top rows with the first pixel and the bottom rows with the last.
+static void fill_border(const int64_t* h, uint8_t* ybase, int64_t c0, int64_t p0, int64_t p1) {
+  const int64_t ow = h[H_OW];
+  for (int64_t r = p0 / ow; r <= (p1 - 1) / ow; ++r)     // output rows these pixels touch
+    fill_edges(h, ybase, c0, r, r + 1, r * ow >= p0, r * ow + ow <= p1, 0, 0);
+  fill_edges(h, ybase, c0, 0, 0, 0, 0, p0 == 0, p1 == h[H_OH] * ow);
 }
 
 // One chunk of H_CHUNK output pixels (flattened over OH x OW, so a tile of 6 may span rows) of
@@ -927,29 +935,6 @@ static void wino_output(const int32_t* acc, int mr, const int32_t* corr, int32_t
         }
       }
     }
-}
-
-// The output's border (H_YPT, H_YPL, H_YFILL) next to the output rows r0 .. r1 - 1: their left
-// columns (left), their right columns (right), the top rows (top), the bottom rows (bottom)
-static void fill_edges(const int64_t* h, uint8_t* ybase, int64_t c0, int64_t r0, int64_t r1,
-                       int left, int right, int top, int bottom) {
-  const int64_t pt = h[H_YPT], pl = h[H_YPL], ow = h[H_OW], f = h[H_F], ohn = h[H_OH];
-  const int64_t owp = ow + 2 * pl;
-  const __m512i fill = _mm512_set1_epi8((char)h[H_YFILL]);
-  const int64_t lf = f - c0;
-  const __mmask64 mask = lf >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << lf) - 1);
-  for (int64_t r = r0; r < r1; ++r) {
-    uint8_t* row = ybase + (r + pt) * owp * f;
-    if (left)
-      for (int64_t x = 0; x < pl; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
-    if (right)
-      for (int64_t x = ow + pl; x < owp; ++x) _mm512_mask_storeu_epi8(row + x * f, mask, fill);
-  }
-  if (top)
-    for (int64_t x = 0; x < pt * owp; ++x) _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
-  if (bottom)
-    for (int64_t x = (ohn + pt) * owp; x < (ohn + 2 * pt) * owp; ++x)
-      _mm512_mask_storeu_epi8(ybase + x * f, mask, fill);
 }
 
 // One call: H_CHUNK tiles of 4x4 output pixels (flattened over the image's bands of 4 rows and
