@@ -191,3 +191,13 @@ def test_float_residual_stream__reaches_the_quantize_config(tmp_path):
     assert config.quantizer == "qcompile" and config.float_residual_stream
     assert not QuantizeConfig.from_recipe(load_recipe(write(tmp_path, MINIMAL, "m.yaml"))
                                           ).float_residual_stream
+
+
+def test_compile_winograd__reaches_the_target_options_and_a_bad_value_is_named(tmp_path):
+    from qcompile.pipeline import compile_options
+
+    assert compile_options(load_recipe(write(tmp_path, MINIMAL, "m.yaml")), None).winograd
+    off = load_recipe(write(tmp_path, with_key("compile.winograd", False)))
+    assert compile_options(off, None).winograd is False
+    with pytest.raises(RecipeError, match=r"(?s)compile\.winograd.*bad value 'sometimes'"):
+        load_recipe(write(tmp_path, with_key("compile.winograd", "sometimes"), "b.yaml"))

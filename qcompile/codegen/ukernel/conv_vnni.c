@@ -533,7 +533,7 @@ INLINE void copy_bytes(uint8_t* d, const uint8_t* s, int64_t n) {
 
 // a short tile (mr < 6 pixels: a chunk's last), through a switch on mr and the form
 #define TILES(NR, P, NAME)                                                                \
-  static void NAME(const conv_args* a, const epi_args* e, const terms_args* t,      \
+  static void NAME(const conv_args* a, const epi_args* e, const terms_args* t,            \
                          const uint8_t* const* xs, int64_t c0, int64_t f,                 \
                          const uint8_t* const* rs, uint8_t* const* ys, int mr, int lean) { \
     switch (mr) {                                                                         \
@@ -776,11 +776,11 @@ void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
 // of output pixels, the 6x6 input patch (centered: u8 - 128, i16) goes through
 // V = Bᵀ d B (|V| <= 100 * 128), the weights were packed as U = Gs g Gsᵀ (i16, |U| <= 49 * 127;
 // Gs = D G with D = diag(4, 6, 6, 24, 24, 1) makes G integral), the 36 products U ⊙ V are summed
-// over the input channels by vpdpwssd (i32, wrapping), and Z = As ᵀ M As (As = 24 D⁻¹ A, integral)
+// over the input channels by vpdpwssd (i32, wrapping), and Z = Asᵀ M As (As = 24 D⁻¹ A, integral)
 // equals 576 Y modulo 2^32, Y the tile's exact sum of (x - 128) w. Since 576 = 64 * 9 and every
 // step is a ring operation, Y modulo 2^26 is (Z >> 6) * 9⁻¹ (mod 2^32), and Y itself is that
-// sign-extended from 26 bits wherever |Y| < 2^25, which pack_wino_weights checks from the
-// weights (128 * sum |w| < 2^25 per output channel). Adding 128 * sum w gives the direct
+// sign-extended from 26 bits wherever |Y| < 2^25, which wino_fits (ukernel/__init__.py) checks
+// from the weights (128 * sum |w| < 2^25 per output channel). Adding 128 * sum w gives the direct
 // kernel's accumulator bit for bit; the requantize epilogue is the direct kernel's (FROMBUF).
 // Patch rows or columns past the padded input (the last tiles of an image whose OH or OW is no
 // multiple of 4) read the last row or column instead: they only reach outputs past OH x OW,
