@@ -176,10 +176,14 @@ def layer(name, spec, out, rng, *, wide=False, lut=False, pairs=True, wino=False
 
 
 def wino_shape(spec) -> bool:
-    """Whether the Winograd entry takes this shape (its random weights always fit)."""
+    """Whether the Winograd entry takes this shape (:func:`ukernel.wino_fits`, the kernel's
+    conditions) with random weights in [-127, 127], which pass the exact recovery's bound
+    below C = 512."""
     n, h, w, c, f, k, s, p, res = spec
-    # (C = 512 with random weights in [-127, 127] fails the exact recovery's bound)
-    return k == 3 and s == 1 and p == 1 and c % 32 == 0 and f % 64 == 0 and c < 512
+    shp = ukernel.ConvShape(n, h + 2 * p, w + 2 * p, ukernel.padded_channels(c), f, k, k, s, s,
+                            1, 1, (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1)
+    zeros = np.zeros((f, k, k, c), np.int8)
+    return c < 512 and ukernel.wino_fits(shp, zeros, speed=False) is None
 
 
 def run(lib, L, reps):

@@ -164,7 +164,8 @@ class ConvShape:
     # is half empty; weights and per-channel tables are packed for the 2F
     pair: bool = False
     # Winograd F(4x4, 3x3) (:func:`wino_fits`, qk_wino_u8s8): a 3x3 stride-1 conv whose
-    # workgroups are bands of 4 output rows, its weights packed by :func:`pack_wino_weights`
+    # workgroups take WINO_CHUNK tiles of 4x4 output pixels each, its weights packed by
+    # :func:`pack_wino_weights`
     wino: bool = False
 
     @property
@@ -205,9 +206,9 @@ class ConvShape:
 
     @property
     def chunks(self) -> int:
-        if self.wino:
-            return -(-(-(-self.oh // 4) * -(-self.ow // 4)) // self.chunk)
-        return -(-(self.oh * self.ow) // self.chunk)
+        # (Winograd: chunks of 4x4 tiles, an image's tiles flattened over its bands of 4 rows)
+        units = -(-self.oh // 4) * -(-self.ow // 4) if self.wino else self.oh * self.ow
+        return -(-units // self.chunk)
 
 
 @dataclass(frozen=True)
@@ -304,10 +305,10 @@ def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
     multiple of 64; with at most :data:`WINO_MAX_WEIGHT_BYTES` of transformed weights per
     output pixel of the call (the 14x14x256 convs at 24 KB per pixel at batch 1, 6 KB in the
     batch-8 shards of 4, keep the direct kernel: resnet18 batch 1 4.63 ms direct, 4.35 with
-    this bound, 4.93 with those too); and
-    whose exact sums stay below 2^25 for every input (128 · Σ|w| per output channel: the
-    kernel recovers Y from 576 Y modulo 2^32). ``speed`` False: the kernel's conditions only
-    (not the bounds of C and of the weight bytes per pixel, which are where it pays)."""
+    this bound, 4.93 with those too); and whose exact sums stay below 2^25 for every input
+    (128 · Σ|w| per output channel: the kernel recovers Y from 576 Y modulo 2^32).
+    ``speed`` False: the kernel's conditions only (not the bounds of C and of the weight bytes
+    per pixel, which are where it pays)."""
     if (s.kh, s.kw, s.sh, s.sw, s.dh, s.dw) != (3, 3, 1, 1, 1, 1):
         return "not a 3x3 stride-1 conv"
     if s.depthwise or s.pair or s.xstep or s.x_off:
