@@ -576,10 +576,10 @@ def test_winograd_fits__only_where_the_recovery_is_exact():
 
 
 class _WinoBlocks(torch.nn.Module):
-    """3x3 stride-1 convs of 32 and 64 channels on odd sizes (OH, OW no multiple of 4): one
-    reading the max pool's padded output, one writing its output bordered for the next and read
-    in place as a residual, one with the residual read from a border; a stride-2 conv and the
-    stem stay direct."""
+    """3x3 stride-1 convs of 32, 64 and 128 channels on odd sizes (OH, OW no multiple of 4):
+    one reading the max pool's padded output, one writing its output bordered for the next and
+    read in place as a residual, one of two channel blocks, one with the residual read from a
+    border; a stride-2 conv and the stem stay direct."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -587,7 +587,7 @@ class _WinoBlocks(torch.nn.Module):
         self.stem, self.pool = conv(3, 32, 3, padding=1), torch.nn.MaxPool2d(3, 2, 1)
         self.a1, self.a2 = conv(32, 64, 3, padding=1), conv(64, 64, 3, padding=1)
         self.b1 = conv(64, 64, 3, 2, 1)
-        self.c1, self.c2 = conv(64, 64, 3, padding=1), conv(64, 64, 3, padding=1)
+        self.c1, self.c2 = conv(64, 128, 3, padding=1), conv(128, 64, 3, padding=1)
         self.fc = torch.nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -609,13 +609,21 @@ def test_winograd_convs__bit_exact_in_a_model_and_counted_and_off_on_request(mon
     assert (a2.oh, a2.ow) == (14, 17) and a2.out_pad == (1, 1) and c2.res_pad == (1, 1)
     # 4 bands of 5 tiles in chunks of 12: chunks and groups of 6 that start and end mid-band
     assert (a2.chunks, a2.chunk) == (2, 12)
+    assert convs["c1 conv2d_4"].blocks == 2
     # pooled (batch 1 on qcompile's pool) and on IREE's task workers, whose 128 KB stacks hold
-    # the kernel's ~94 KB of buffers (QCOMPILE_POOL=0); the direct kernel with winograd off
+    # the kernel's ~94 KB of buffers (QCOMPILE_POOL=0); the direct kernel with winograd off;
+    # batch 8 as two shards of 4, each running its grid on one thread (channel blocks slowest)
+    monkeypatch.setenv("QCOMPILE_THREADS", "2")
+    x8 = torch.cat([batches[1][0], batches[2][0]])
     for on, pool in ((True, "1"), (True, "0"), (False, "1")):
         monkeypatch.setenv("QCOMPILE_POOL", pool)
-        model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4), analyze=False,
+        model = compile_cpu(q, CompileOptions(batch_sizes=(1, 4, 8), analyze=False,
                                               ukernel_convs=True, winograd=on))
-        assert model.report["compile"]["pooled_batches"] == ([1, 4] if pool == "1" else [])
-        _assert_bit_exact(model, batches[1][0])
+        assert model.report["compile"]["pooled_batches"] == ([1, 4, 8] if pool == "1" else [])
+        _assert_bit_exact(model, x8)
+        got = model(x8).numpy()
+        assert len(model.runner.modules[4]._inline) == 2          # the two shards ran
+        np.testing.assert_array_equal(
+            got, interpreter.run(model.runner.modules[8].graph, x8.numpy())[0])
         rep = model.report["compile"]["ukernel"]
-        assert rep["chains"] == {"1": 7, "4": 7} and rep["winograd"] == (4 if on else 0)
+        assert rep["chains"] == {"1": 7, "4": 7, "8": 7} and rep["winograd"] == (4 if on else 0)

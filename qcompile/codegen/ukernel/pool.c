@@ -14,8 +14,10 @@
 // mobilenet_v2). The runs shrink towards the end, which keeps the threads' finishes close.
 // The kernels order their workgroups by pixels (channel blocks fastest), so each thread keeps
 // to its own part of the image from layer to layer and mostly reads what it wrote itself, from
-// its own cache. A helper still leaving dispatch g can never claim an item of dispatch g + 1 by
-// mistake: the generation in the ticket must match. The caller returns when every item is done.
+// its own cache (a grid run on one thread alone orders a conv's channel blocks slowest instead:
+// conv_vnni.c, PAR_IDS_CONV). A helper still leaving dispatch g can never claim an item of
+// dispatch g + 1 by mistake: the generation in the ticket must match. The caller returns when
+// every item is done.
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <pthread.h>
