@@ -294,7 +294,7 @@ WINO_G = np.array([[1, 0, 0], [-1, -1, -1], [-1, 1, -1], [1, 2, 4], [1, -2, 4], 
 WINO_MAX_C = 256      # a block's transformed weights, 36 C 64 i16: 1.2 MB at 256
 # transformed weight bytes per output pixel above which the weights' traffic (8x the direct
 # kernel's) costs more than the Winograd sums save
-WINO_MAX_WEIGHT_BYTES = 4096
+WINO_MAX_WEIGHT_BYTES = 8192
 WINO_Y_BITS = 25      # |Y| < 2^25: Y is recovered from 576 Y modulo 2^32
 
 
@@ -303,10 +303,11 @@ def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
     3x3) (``qk_wino_u8s8``), None where it can: a 3x3 stride-1 conv without dilation over
     plain NHWC input whose padded C is a multiple of 32 (at most :data:`WINO_MAX_C`) and F a
     multiple of 64; with at most :data:`WINO_MAX_WEIGHT_BYTES` of transformed weights per
-    output pixel of the call (the 14x14x256 convs at 24 KB per pixel at batch 1, 6 KB in the
-    batch-8 shards of 4, keep the direct kernel: resnet18 batch 1 4.63 ms direct, 4.35 with
-    this bound, 4.93 with those too); and whose exact sums stay below 2^25 for every input
-    (128 · Σ|w| per output channel: the kernel recovers Y from 576 Y modulo 2^32).
+    output pixel of the call (the 14x14x256 convs at 24 KB per pixel at batch 1 keep the direct
+    kernel: resnet18 batch 1 4.63 ms direct, 4.35 with this bound, 4.93 with those too; at 6 KB
+    in the batch-8 shards of 4 they take it: resnet50 batch 8 2 % faster); and whose exact
+    sums stay below 2^25 for every input (128 · Σ|w| per output channel: the kernel recovers Y
+    from 576 Y modulo 2^32).
     ``speed`` False: the kernel's conditions only (not the bounds of C and of the weight bytes
     per pixel, which are where it pays)."""
     if (s.kh, s.kw, s.sh, s.sw, s.dh, s.dw) != (3, 3, 1, 1, 1, 1):
