@@ -865,10 +865,10 @@ INLINE void wino_gemm(const int16_t* v, const int16_t* u, int64_t pairs, int32_t
                         : _mm512_loadu_si512((const void*)(ap + m * 64 + 16 * j));
     const int16_t* vp = v + pos * WMR * WCH;
     const int16_t* up = u + pos * pairs * 128;
-    // the next position's weights (after the last, the next channels' first) into L2: each
-    // position's 4 KB lies apart from the last (a stride of C / 2 * 256 bytes), where the
-    // hardware's stream prefetch starts over (resnet18 batch 1 4.13 -> 4.08 ms; 14x14x256 alone
-    // 0.434 -> 0.415)
+    // the next position's weights (after the last, the next channels' first; past the block's
+    // end after its last, which a prefetch may touch) into L2: each position's 4 KB lies apart
+    // from the last (a stride of C / 2 * 256 bytes), where the hardware's stream prefetch
+    // starts over (resnet18 batch 1 4.13 -> 4.08 ms; 14x14x256 alone 0.434 -> 0.415)
     const int16_t* un = pos < 35 ? up + pairs * 128 : u + WCH / 2 * 128;
 #pragma GCC unroll 2
     for (int q = 0; q < WCH / 2; ++q) {
