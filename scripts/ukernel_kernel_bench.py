@@ -192,7 +192,7 @@ def run(lib, L, reps):
     ns = (ctypes.c_double * reps)()
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     lib.drive(ptr(L["x"]), ptr(L["w"]), ptr(L["p"]), ptr(L["r"]), ptr(y),
-              ctypes.c_int64(shp.blocks), ctypes.c_int64(shp.chunks), ctypes.c_int64(shp.n),
+              *(ctypes.c_int64(g) for g in shp.grid),
               ctypes.c_int(reps), ns, ctypes.c_int(int(shp.wino)))
     return y, [v / 1e6 for v in ns]
 

@@ -607,8 +607,9 @@ def test_winograd_convs__bit_exact_in_a_model_and_counted_and_off_on_request(mon
     assert wino == ["a1 conv2d_1", "a2 conv2d_2", "c1 conv2d_4", "c2 conv2d_5"]
     a2, c2 = convs["a2 conv2d_2"], convs["c2 conv2d_5"]
     assert (a2.oh, a2.ow) == (14, 17) and a2.out_pad == (1, 1) and c2.res_pad == (1, 1)
-    # 4 bands of 5 tiles in chunks of 12: chunks and groups of 6 that start and end mid-band
-    assert (a2.chunks, a2.chunk) == (2, 12)
+    # 4 bands of 5 tiles per image, the 4 images' tiles in chunks of 12: chunks and groups of
+    # 6 that start and end mid-band, and span two images
+    assert (a2.n, a2.chunks, a2.chunk, a2.grid) == (4, 7, 12, (1, 7, 1))
     assert convs["c1 conv2d_4"].blocks == 2
     # pooled (batch 1 on qcompile's pool) and on IREE's task workers, whose 128 KB stacks hold
     # the kernel's ~94 KB of buffers (QCOMPILE_POOL=0); the direct kernel with winograd off;

@@ -206,9 +206,17 @@ class ConvShape:
 
     @property
     def chunks(self) -> int:
-        # (Winograd: chunks of 4x4 tiles, an image's tiles flattened over its bands of 4 rows)
-        units = -(-self.oh // 4) * -(-self.ow // 4) if self.wino else self.oh * self.ow
-        return -(-units // self.chunk)
+        # (Winograd: chunks of 4x4 tiles, the tiles of all images flattened over their bands of
+        # 4 rows)
+        if self.wino:
+            return -(-self.n * -(-self.oh // 4) * -(-self.ow // 4) // self.chunk)
+        return -(-self.oh * self.ow // self.chunk)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """The workgroups: (channel blocks, chunks, images); the Winograd entry's chunks span
+        the images (third dimension 1)."""
+        return self.blocks, self.chunks, 1 if self.wino else self.n
 
 
 @dataclass(frozen=True)
@@ -572,7 +580,7 @@ def executable_mlir(name: str, obj: Path, s: ConvShape, nparams: int, nweights: 
     symbol = (MATMUL_SYMBOL if matmul else DW_SYMBOL if s.depthwise else WINO_SYMBOL if s.wino
               else SYMBOL)
     return _executable(name, obj, ins, (et, s.out_size), order, symbol,
-                       (s.blocks, s.chunks, s.n), target, entry, pooled)
+                       s.grid, target, entry, pooled)
 
 
 def quantize_executable_mlir(name: str, obj: Path, q: QuantizeShape, nparams: int, target: str,

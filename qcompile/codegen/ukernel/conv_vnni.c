@@ -54,8 +54,8 @@ typedef struct {
 // half a vector empty.
 //
 // FROMBUF (pairs == FROMBUF): the accumulators were formed elsewhere (the Winograd entry) and
-// xs[m] points to pixel m's NR*16 i32 sums; the tile loads them (plus init) and the epilogue
-// runs as for the others.
+// xs[m] points to pixel m's NR*16 i32 sums, the bias of the narrow epilogue (init) already in
+// them; the tile loads them and the epilogue runs as for the others.
 enum { FROMBUF = 2 };
 INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* const* xt,
                  __m512i acc[6][4], int MR, int NR, const int32_t* init, const int pairs) {
@@ -63,11 +63,8 @@ INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* co
 #pragma GCC unroll 6
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) {
-        const __m512i v = _mm512_loadu_si512((const void*)((const int32_t*)xs[m] + 16 * j));
-        acc[m][j] = init ? _mm512_add_epi32(v, _mm512_loadu_si512((const void*)(init + 16 * j)))
-                         : v;
-      }
+      for (int j = 0; j < NR; ++j)
+        acc[m][j] = _mm512_loadu_si512((const void*)((const int32_t*)xs[m] + 16 * j));
     return;
   }
 #pragma GCC unroll 6
@@ -778,8 +775,8 @@ void qk_conv2d_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
 // Gs = D G with D = diag(4, 6, 6, 24, 24, 1) makes G integral), the 36 products U ⊙ V are summed
 // over the input channels by vpdpwssd (i32, wrapping), and Z = Asᵀ M As (As = 24 D⁻¹ A, integral)
 // equals 576 Y modulo 2^32, Y the tile's exact sum of (x - 128) w. Since 576 = 64 * 9 and every
-// step is a ring operation, Y modulo 2^26 is (Z >> 6) * 9⁻¹ (mod 2^32), and Y itself is that
-// sign-extended from 26 bits wherever |Y| < 2^25, which wino_fits (ukernel/__init__.py) checks
+// step is a ring operation, Z * 9⁻¹ == 64 Y (mod 2^32), which is 64 Y itself (in i32, so Y is
+// its arithmetic shift by 6) wherever |Y| < 2^25, which wino_fits (ukernel/__init__.py) checks
 // from the weights (128 * sum |w| < 2^25 per output channel). Adding 128 * sum w gives the direct
 // kernel's accumulator bit for bit; the requantize epilogue is the direct kernel's (FROMBUF).
 // Patch rows or columns past the padded input (the last tiles of an image whose OH or OW is no
@@ -911,7 +908,8 @@ static const wino_gemm_fn WINO_GEMM_FNS[WMR][2] = {
     {wino_gemm_5_0, wino_gemm_5_1}, {wino_gemm_6_0, wino_gemm_6_1}};
 
 // The sums of mr tiles (acc) back to pixels: ypix[row][4 m + col][64] i32, the direct kernel's
-// accumulators (Y plus 128 * sum w: corr, the block's 64 channels)
+// accumulators (Y plus 128 * sum w, plus the narrow epilogue's bias: corr, the block's 64
+// channels); Y = (Z * 9⁻¹) >> 6, see above.
 static void wino_output(const int32_t* acc, int mr, const int32_t* corr, int32_t* ypix) {
   const __m512i inv9 = _mm512_set1_epi32((int32_t)954437177);      // 9 * inv9 == 1 mod 2^32
   for (int m = 0; m < mr; ++m)
@@ -935,8 +933,7 @@ static void wino_output(const int32_t* acc, int mr, const int32_t* corr, int32_t
         wino_at(t[p], z);
 #pragma GCC unroll 4
         for (int q = 0; q < 4; ++q) {
-          __m512i y = _mm512_mullo_epi32(_mm512_srai_epi32(z[q], 6), inv9);
-          y = _mm512_srai_epi32(_mm512_slli_epi32(y, 6), 6);
+          const __m512i y = _mm512_srai_epi32(_mm512_mullo_epi32(z[q], inv9), 6);
           _mm512_storeu_si512((void*)(ypix + (p * 4 * WMR + 4 * m + q) * 64 + 16 * j),
                               _mm512_add_epi32(y, c));
         }
@@ -944,9 +941,10 @@ static void wino_output(const int32_t* acc, int mr, const int32_t* corr, int32_t
     }
 }
 
-// One call: H_CHUNK tiles of 4x4 output pixels (flattened over the image's bands of 4 rows and
-// the tiles across a band, so that a chunk may span bands) of image n, one block of 64 output
-// channels, in groups of up to WMR tiles.
+// One call: H_CHUNK tiles of 4x4 output pixels (flattened over the images, their bands of 4
+// rows and the tiles across a band, so that a chunk, and a group, may span bands and images),
+// one block of 64 output channels, in groups of up to WMR tiles. The grid is (blocks, chunks,
+// 1): in a batch, a group of tiles from two images shares one pass over the block's weights.
 void qk_wino_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
                   const int64_t* pb, int64_t po, const uint8_t* rb, int64_t ro, uint8_t* yb,
                   int64_t yo, int64_t blk, int64_t chunk, int64_t n) {
@@ -959,21 +957,29 @@ void qk_wino_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
   const int lean = lean_mode(&e);
   const tile6_fn tile6 = TILE6B_FNS[lean];
   const int64_t row = wp * c;
-  const uint8_t* x = xb + xo + n * hp * row;
+  const uint8_t* x = xb + xo;
   const int16_t* u = (const int16_t*)(wb + wo) + blk * 36 * c * 64;
-  const int32_t* corr =
+  const int32_t* wcorr =
       (const int32_t*)((const int16_t*)(wb + wo) + h[H_FP] / 64 * 36 * c * 64) + c0;
+  _Alignas(64) int32_t corr[64];      // 128 * sum w, plus the narrow epilogue's bias
+  for (int j = 0; j < 64; ++j) corr[j] = wcorr[j] + (e.narrow ? e.bias32[c0 + j] : 0);
   const int64_t pt = h[H_YPT], pl = h[H_YPL], owp = ow + 2 * pl;
-  uint8_t* ybase = yb + yo + n * (ohn + 2 * pt) * owp * f + c0;
   const int64_t rpt = h[H_RPT], rpl = h[H_RPL], owr = ow + 2 * rpl;
-  const uint8_t* rbase = (e.res ? rb + ro : yb) + n * (ohn + 2 * rpt) * owr * f + c0;
-  const int64_t tw = (ow + 3) / 4, tiles = tw * ((ohn + 3) / 4);
+  // the tiles of all N images, flattened: image i's bands are bands i * bh .. i * bh + bh - 1
+  (void)n;          // (the grid's third dimension is 1)
+  const int64_t bh = (ohn + 3) / 4, tw = (ow + 3) / 4, tiles = h[H_N] * bh * tw;
+  const int64_t ximg = hp * row;                          // bytes per image: input, output,
+  const int64_t yimg = (ohn + 2 * pt) * owp * f, rimg = (ohn + 2 * rpt) * owr * f;   // residual
+  uint8_t* ybase = yb + yo + c0;                          // (image 0's)
+  const uint8_t* rbase = (e.res ? rb + ro : yb) + c0;
   const int64_t q0 = chunk * h[H_CHUNK];
   const int64_t q1 = q0 + h[H_CHUNK] < tiles ? q0 + h[H_CHUNK] : tiles;
   if (pt || pl)
-    for (int64_t b = q0 / tw; b <= (q1 - 1) / tw; ++b)        // the bands these tiles touch
-      fill_edges(h, ybase, c0, 4 * b, 4 * b + 4 < ohn ? 4 * b + 4 : ohn, b * tw >= q0,
-                 b * tw + tw <= q1, q0 == 0 && b == 0, q1 == tiles && b * tw + tw == tiles);
+    for (int64_t gb = q0 / tw; gb <= (q1 - 1) / tw; ++gb) {   // the bands these tiles touch
+      const int64_t b = gb % bh, first = gb * tw >= q0, last = gb * tw + tw <= q1;
+      fill_edges(h, ybase + gb / bh * yimg, c0, 4 * b, 4 * b + 4 < ohn ? 4 * b + 4 : ohn,
+                 first, last, b == 0 && first, b == bh - 1 && last);
+    }
   _Alignas(64) int16_t v[36 * WMR * WCH];
   _Alignas(64) int32_t acc[36 * WMR * 64];
   _Alignas(64) int32_t ypix[4 * 4 * WMR * 64];
@@ -984,8 +990,9 @@ void qk_wino_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
     for (int m = 0; m < mr; ++m)
       for (int j = 0; j < 6; ++j) {
         // (patch rows and columns past the padded input read its last: see above)
-        const int64_t ry = 4 * ((t0 + m) / tw) + j, cx = 4 * ((t0 + m) % tw) + j;
-        roff[6 * m + j] = (ry < hp ? ry : hp - 1) * row;
+        const int64_t gb = (t0 + m) / tw;
+        const int64_t ry = 4 * (gb % bh) + j, cx = 4 * ((t0 + m) % tw) + j;
+        roff[6 * m + j] = gb / bh * ximg + (ry < hp ? ry : hp - 1) * row;
         coff[6 * m + j] = (cx < wp ? cx : wp - 1) * c;
       }
     for (int64_t cc = 0; cc < c; cc += WCH) {
@@ -995,11 +1002,13 @@ void qk_wino_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
     wino_output(acc, mr, corr, ypix);
     // the epilogue: each run of the group's tiles in one band, row by row, six pixels at a time
     for (int m0 = 0; m0 < mr;) {
-      const int64_t band = (t0 + m0) / tw;
+      const int64_t gb = (t0 + m0) / tw, band = gb % bh;
       int m1 = m0 + 1;
-      while (m1 < mr && (t0 + m1) / tw == band) ++m1;
+      while (m1 < mr && (t0 + m1) / tw == gb) ++m1;
       const int64_t x0 = 4 * ((t0 + m0) % tw);
       const int64_t x1 = x0 + 4 * (m1 - m0) < ow ? x0 + 4 * (m1 - m0) : ow;
+      uint8_t* yi = ybase + gb / bh * yimg;
+      const uint8_t* ri = rbase + gb / bh * rimg;
       for (int p = 0; p < 4 && 4 * band + p < ohn; ++p) {
         const int64_t r = 4 * band + p;
         for (int64_t xx = x0; xx < x1; xx += 6) {
@@ -1010,8 +1019,8 @@ void qk_wino_u8s8(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t wo,
           for (int m = 0; m < 6; ++m) {
             const int64_t px = xx + (m < k ? m : 0);
             xs[m] = (const uint8_t*)(ypix + (p * 4 * WMR + 4 * m0 + px - x0) * 64);
-            ys[m] = ybase + ((r + pt) * owp + px + pl) * f;
-            rs[m] = rbase + ((r + rpt) * owr + px + rpl) * f;
+            ys[m] = yi + ((r + pt) * owp + px + pl) * f;
+            rs[m] = ri + ((r + rpt) * owr + px + rpl) * f;
           }
           const uint8_t* const* rp = e.res ? rs : 0;
           if (k == 6)
