@@ -85,6 +85,9 @@ SHAPES = {
     "8x8x20-96-1x1": (1, 8, 8, 20, 96, 1, 1, 0, False),
     "8x8x20-112-1x1+res": (1, 8, 8, 20, 112, 1, 1, 0, True),
     "112x112x3-32-3x3s2": (1, 224, 224, 3, 32, 3, 2, 1, False),
+    # the unrolled 3x3 stem tiles (STEM3) of 32 and 64 channels, rows no multiple of 6
+    "15x19x3-32-3x3s2": (2, 29, 37, 3, 32, 3, 2, 1, False),
+    "15x19x3-64-3x3s2": (2, 29, 37, 3, 64, 3, 2, 1, False),
     # resnet50's expansion 1x1 convs with the block's residual (conv3), and without
     "56x56x64-256-1x1+res": (1, 56, 56, 64, 256, 1, 1, 0, True),
     "56x56x64-256-1x1": (1, 56, 56, 64, 256, 1, 1, 0, False),

@@ -90,6 +90,20 @@ def test_microkernel_epilogues__narrow_and_wide_bit_exact_on_every_output_range(
 
 
 @needs_vnni
+@pytest.mark.parametrize("wide", [False, True])
+def test_stem_tiles__unrolled_3x3_over_rgb_bit_exact(tmp_path, wide):
+    """A 3x3 conv over the model input's 3 channels (padded to 4) of 32 and 64 channels takes
+    the unrolled tiles (STEM3) in the lean form and the general ones in the wide form: both
+    bit-exact, on two images whose output rows are no multiple of the 6-pixel tile."""
+    lib = kbench.build(ukernel.SOURCE, tmp_path)
+    rng = np.random.default_rng(3)
+    for i, name in enumerate(["15x19x3-32-3x3s2", "15x19x3-64-3x3s2"] * 3):
+        layer = kbench.layer(name, kbench.SHAPES[name], kbench.OUTPUTS[i % 5], rng, wide=wide)
+        y, _ = kbench.run(lib, layer, 1)
+        np.testing.assert_array_equal(y.reshape(layer["ref"].shape), layer["ref"], err_msg=name)
+
+
+@needs_vnni
 @pytest.mark.parametrize("vbmi", [False, pytest.param(True, marks=pytest.mark.skipif(
     not ukernel.host_has_vbmi(), reason="needs AVX-512 VBMI"))])
 def test_microkernel_table_epilogue__bit_exact_narrow_and_wide(tmp_path, vbmi):

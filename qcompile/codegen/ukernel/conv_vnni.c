@@ -56,7 +56,11 @@ typedef struct {
 // FROMBUF (pairs == FROMBUF): the accumulators were formed elsewhere (the Winograd entry) and
 // xs[m] points to pixel m's NR*16 i32 sums, the bias of the narrow epilogue (init) already in
 // them; the tile loads them and the epilogue runs as for the others.
-enum { FROMBUF = 2 };
+//
+// STEM3 (pairs == STEM3): a kernel of 3 rows of 3 quads each, which lie one after another in
+// the input (a 3x3 conv over C <= 4 channels: the model's first conv), the loops unrolled: with
+// 9 steps of 12 or 24 products the loop's bookkeeping was a fifth of its time.
+enum { FROMBUF = 2, STEM3 = 3 };
 INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* const* xt,
                  __m512i acc[6][4], int MR, int NR, const int32_t* init, const int pairs) {
   if (pairs == FROMBUF) {
@@ -73,6 +77,26 @@ INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* co
     for (int j = 0; j < NR; ++j)
       acc[m][j] = init ? _mm512_loadu_si512((const void*)(init + 16 * j)) : _mm512_setzero_si512();
   const int8_t* w = a->w;
+  if (pairs == STEM3) {
+#pragma GCC unroll 3
+    for (int i = 0; i < 3; ++i) {
+      const int64_t off = i * a->row;
+#pragma GCC unroll 3
+      for (int q = 0; q < 3; ++q) {
+        __m512i wv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + 64 * j));
+        w += 64 * NR;
+#pragma GCC unroll 6
+        for (int m = 0; m < MR; ++m) {
+          const __m512i x0 = _mm512_set1_epi32(*(const int32_t*)(xs[m] + off + 4 * q));
+#pragma GCC unroll 4
+          for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], x0, wv[j]);
+        }
+      }
+    }
+    return;
+  }
   const int64_t quads = a->c >> 2;
   for (int64_t i = 0; i < a->kh; ++i) {
     for (int64_t k = 0; k < a->kw; ++k) {
@@ -505,6 +529,8 @@ TILE6_NR(4, 0, )
 TILE6_NR(1, 1, p)
 TILE6_NR(3, 1, p)
 TILE6_NR(4, FROMBUF, b)
+TILE6(2, LEAN, STEM3, tile6s_2_1)
+TILE6(4, LEAN, STEM3, tile6s_4_1)
 // [NR - 1][lean]: the lean form's bits index it (LEAN_RES and LEAN_K come with LEAN)
 static const tile6_fn TILE6_FNS[4][8] = {
     {tile6_1_0, tile6_1_1, 0, tile6_1_3, 0, tile6_1_5, 0, tile6_1_7},
@@ -722,7 +748,12 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     }
     return;
   }
-  const tile6_fn tile6 = TILE6_FNS[nr - 1][lean];
+  tile6_fn tile6 = TILE6_FNS[nr - 1][lean];
+  // a 3x3 conv over C <= 4 channels whose 3 quads of a kernel row lie one after another
+  // (STEM3): the unrolled tile for its common forms
+  if (kh == 3 && kw * c == 12 && h[H_DH] == 1 && a.dw == 1 && (kw == 1 || a.xstep == c) &&
+      lean == LEAN && !terms && (nr == 2 || nr == 4) && f - c0 > 16 * (nr - 1))
+    tile6 = nr == 2 ? tile6s_2_1 : tile6s_4_1;
   for (int64_t p = p0; p < p1; p += 6) {
     int mr = p1 - p >= 6 ? 6 : (int)(p1 - p);
     const uint8_t* xs[6];
