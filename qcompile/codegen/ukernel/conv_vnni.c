@@ -61,6 +61,18 @@ typedef struct {
 // the input (a 3x3 conv over C <= 4 channels: the model's first conv), the loops unrolled: with
 // 9 steps of 12 or 24 products the loop's bookkeeping was a fifth of its time.
 enum { FROMBUF = 2, STEM3 = 3 };
+// one step of an unpaired tile: each pixel's quad at xs[m] + at broadcast against the NR
+// weight vectors wv
+INLINE void dp_pixels(__m512i acc[6][4], const uint8_t* const* xs, int64_t at,
+                      const __m512i* wv, int MR, int NR) {
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) {
+    const __m512i x0 = _mm512_set1_epi32(*(const int32_t*)(xs[m] + at));
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], x0, wv[j]);
+  }
+}
+
 INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* const* xt,
                  __m512i acc[6][4], int MR, int NR, const int32_t* init, const int pairs) {
   if (pairs == FROMBUF) {
@@ -87,12 +99,7 @@ INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* co
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + 64 * j));
         w += 64 * NR;
-#pragma GCC unroll 6
-        for (int m = 0; m < MR; ++m) {
-          const __m512i x0 = _mm512_set1_epi32(*(const int32_t*)(xs[m] + off + 4 * q));
-#pragma GCC unroll 4
-          for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], x0, wv[j]);
-        }
+        dp_pixels(acc, xs, off + 4 * q, wv, MR, NR);
       }
     }
     return;
@@ -106,14 +113,13 @@ INLINE void tile(const conv_args* a, const uint8_t* const* xs, const uint8_t* co
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + 64 * j));
         w += 64 * NR;
+        if (!pairs) {
+          dp_pixels(acc, xs, off + 4 * q, wv, MR, NR);
+          continue;
+        }
 #pragma GCC unroll 6
         for (int m = 0; m < MR; ++m) {
           const __m512i x0 = _mm512_set1_epi32(*(const int32_t*)(xs[m] + off + 4 * q));
-          if (!pairs) {
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], x0, wv[j]);
-            continue;
-          }
           const __m512i x1 = _mm512_set1_epi32(*(const int32_t*)(xt[m] + off + 4 * q));
           const __m512i xm = _mm512_mask_blend_epi32((__mmask16)0xFF00, x0, x1);
 #pragma GCC unroll 4
