@@ -58,8 +58,9 @@ typedef struct {
 // them; the tile loads them and the epilogue runs as for the others.
 //
 // STEM3 (pairs == STEM3): a kernel of 3 rows of 3 quads each, which lie one after another in
-// the input (a 3x3 conv over C <= 4 channels: the model's first conv), the loops unrolled: with
-// 9 steps of 12 or 24 products the loop's bookkeeping was a fifth of its time.
+// the input (a 3x3 conv over C <= 4 channels, the model's first conv, or a 3-row conv over
+// packed rows of 12 bytes), the loops unrolled: with 9 steps of 12 or 24 products the loop's
+// bookkeeping was a fifth of its time.
 enum { FROMBUF = 2, STEM3 = 3 };
 // one step of an unpaired tile: each pixel's quad at xs[m] + at broadcast against the NR
 // weight vectors wv
@@ -755,8 +756,8 @@ static void conv_chunk(const uint8_t* xb, int64_t xo, const int8_t* wb, int64_t 
     return;
   }
   tile6_fn tile6 = TILE6_FNS[nr - 1][lean];
-  // a 3x3 conv over C <= 4 channels whose 3 quads of a kernel row lie one after another
-  // (STEM3): the unrolled tile for its common forms
+  // 3 kernel rows of 3 quads that lie one after another (STEM3: a 3x3 conv over C <= 4
+  // channels, or packed rows of 12 bytes): the unrolled tile for its common forms
   if (kh == 3 && kw * c == 12 && h[H_DH] == 1 && a.dw == 1 && (kw == 1 || a.xstep == c) &&
       lean == LEAN && !terms && (nr == 2 || nr == 4) && f - c0 > 16 * (nr - 1))
     tile6 = nr == 2 ? tile6s_2_1 : tile6s_4_1;
