@@ -551,12 +551,14 @@ def test_winograd_kernel__bit_exact_with_the_direct_sums_on_every_output_range(t
         np.testing.assert_array_equal(y.reshape(layer["ref"].shape), layer["ref"], err_msg=name)
 
 
-def test_winograd_fits__only_where_the_recovery_is_exact():
-    """The Winograd entry takes 3x3 stride-1 convs with C a multiple of 32 up to 256 and F a
-    multiple of 64, enough output pixels per transformed weight byte, and exact sums below
-    2^25 (128 · Σ|w| per output channel); the reason otherwise."""
+def test_winograd_fits__only_where_the_recovery_is_exact(monkeypatch):
+    """The Winograd entry takes 3x3 stride-1 convs with C a multiple of 32 up to 256 (on a
+    host issuing one 512-bit vpdpbusd a cycle) and F a multiple of 64, enough output pixels per
+    transformed weight byte, and exact sums below 2^25 (128 · Σ|w| per output channel); the
+    reason otherwise."""
     from dataclasses import replace
 
+    monkeypatch.setattr(ukernel, "host_vnni_pipes", lambda: 1)
     s = ukernel.ConvShape(1, 16, 16, 64, 64, 3, 3, 1, 1, 1, 1, 14, 14)
     w = np.full((64, 3, 3, 64), 127, np.int8)
     assert ukernel.wino_fits(s, w) is None                    # 128 · 576 · 127 < 2^25
@@ -587,6 +589,33 @@ def test_winograd_fits__only_where_the_recovery_is_exact():
     assert ukernel.wino_fits(deep, w256, speed=False) is None     # the kernel takes both
     assert ukernel.wino_fits(replace(s, c=512), np.zeros((64, 3, 3, 512), np.int8),
                              speed=False) is None
+
+
+def test_winograd_fits__c_above_128_stays_direct_where_vpdpbusd_issues_twice(monkeypatch):
+    """Where vpdpbusd issues twice a cycle (Zen 5) the direct kernel beats Winograd once a
+    block's transformed weights leave L2: C = 256 stays direct at any batch, C = 128 does not."""
+
+    monkeypatch.setattr(ukernel, "host_vnni_pipes", lambda: 2)
+    deep = ukernel.ConvShape(8, 16, 16, 256, 256, 3, 3, 1, 1, 1, 1, 14, 14)
+    w256 = np.ones((256, 3, 3, 256), np.int8)
+    assert "C above 128 on this host" in ukernel.wino_fits(deep, w256)
+    assert ukernel.wino_fits(deep, w256, speed=False) is None     # the kernel takes it
+    mid = ukernel.ConvShape(1, 30, 30, 128, 128, 3, 3, 1, 1, 1, 1, 28, 28)
+    assert ukernel.wino_fits(mid, np.ones((128, 3, 3, 128), np.int8)) is None
+    monkeypatch.setattr(ukernel, "host_vnni_pipes", lambda: 1)
+    assert ukernel.wino_fits(deep, w256) is None
+
+
+def test_vnni_pipes__from_cpuinfo():
+    """Two 512-bit vpdpbusd a cycle on AMD family 1Ah (Zen 5) and later; one on Zen 4, Intel
+    and anything unreadable. Only the first processor's lines count."""
+    zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+    assert ukernel.vnni_pipes(zen5) == 2
+    assert ukernel.vnni_pipes(zen5 + "\nprocessor\t: 1\ncpu family\t: 25\n") == 2
+    assert ukernel.vnni_pipes(zen5.replace("26", "25")) == 1
+    assert ukernel.vnni_pipes(zen5.replace("AuthenticAMD", "GenuineIntel").replace("26", "6")) == 1
+    assert ukernel.vnni_pipes("vendor_id\t: AuthenticAMD\ncpu family\t: x\n") == 1
+    assert ukernel.vnni_pipes("") == 1
 
 
 class _WinoBlocks(torch.nn.Module):

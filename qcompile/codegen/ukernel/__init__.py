@@ -14,6 +14,7 @@ output (NHWC) directly: no im2col buffer and no activation packing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -300,6 +301,12 @@ def pack_weights(w: np.ndarray, pair: bool = False) -> np.ndarray:
 WINO_G = np.array([[1, 0, 0], [-1, -1, -1], [-1, 1, -1], [1, 2, 4], [1, -2, 4], [0, 0, 1]],
                   np.int64)
 WINO_MAX_C = 256      # a block's transformed weights, 36 C 64 i16: 1.2 MB at 256
+# where vpdpbusd issues twice a cycle (host_vnni_pipes: Zen 5) the direct kernel runs twice as
+# fast and Winograd only pays while a block's weights stay in L2 (C <= 128, 0.6 MB). Kernel
+# alone, one thread, minimum of 21, direct / Winograd ms: 14x14x256 -> 256 batch 1 0.256 / 0.289,
+# batch 4 with residual 1.010 / 1.197, batch 8 2.022 / 2.409; 28x28x128 -> 128 batch 1 0.263 /
+# 0.214, batch 4 with residual 1.200 / 0.837; 56x56x64 -> 64 batch 4 with residual 1.217 / 0.976
+WINO_MAX_C_DUAL = 128
 # transformed weight bytes per output pixel above which the weights' traffic (8x the direct
 # kernel's) costs more than the Winograd sums save
 WINO_MAX_WEIGHT_BYTES = 8192
@@ -309,7 +316,8 @@ WINO_Y_BITS = 25      # |Y| < 2^25: Y is recovered from 576 Y modulo 2^32
 def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
     """Why the conv ``s`` with weights ``w[F, KH, KW, C]`` (s8) cannot run as Winograd F(4x4,
     3x3) (``qk_wino_u8s8``), None where it can: a 3x3 stride-1 conv without dilation over
-    plain NHWC input whose padded C is a multiple of 32 (at most :data:`WINO_MAX_C`) and F a
+    plain NHWC input whose padded C is a multiple of 32 (at most :data:`WINO_MAX_C`, or
+    :data:`WINO_MAX_C_DUAL` where :func:`host_vnni_pipes` says 2) and F a
     multiple of 64; with at most :data:`WINO_MAX_WEIGHT_BYTES` of transformed weights per
     output pixel of the call (the 14x14x256 convs at 24 KB per pixel at batch 1 keep the direct
     kernel: resnet18 batch 1 4.63 ms direct, 4.35 with this bound, 4.93 with those too; at 6 KB
@@ -324,8 +332,10 @@ def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
         return "not a plain NHWC conv"
     if s.c % 32 or s.f % 64:
         return "C not a multiple of 32 or F of 64"
-    if speed and s.c > WINO_MAX_C:
-        return f"C above {WINO_MAX_C} (a block's transformed weights would not stay in L2)"
+    max_c = WINO_MAX_C_DUAL if host_vnni_pipes() > 1 else WINO_MAX_C
+    if speed and s.c > max_c:
+        return (f"C above {max_c} on this host (a block's transformed weights would not stay "
+                "in L2)")
     per_pixel = 36 * s.c * s.fp * 2 / (s.n * s.oh * s.ow)
     if speed and per_pixel > WINO_MAX_WEIGHT_BYTES:
         return (f"too few output pixels for its transformed weights ({per_pixel:.0f} bytes "
@@ -680,6 +690,30 @@ def pack_attention_params(a: AttentionShape, flips: tuple[bool, bool, bool],
     planes = [(et >> (8 * i)) & 255 for i in range(3)]
     as_bytes = np.concatenate([mt & 255, *planes]).astype(np.uint8)
     return np.concatenate([h, tables.view(np.int64), as_bytes.view(np.int64)])
+
+
+@functools.cache
+def host_vnni_pipes() -> int:
+    """512-bit ``vpdpbusd`` this host issues per cycle (:func:`vnni_pipes` of /proc/cpuinfo)."""
+    try:
+        return vnni_pipes(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return 1
+
+
+def vnni_pipes(cpuinfo: str) -> int:
+    """512-bit ``vpdpbusd`` per cycle of the CPU that ``cpuinfo`` (/proc/cpuinfo's text)
+    describes: 2 on AMD family 1Ah and later (Zen 5: 512-bit vector pipes; measured 1.84 a
+    cycle by ``scripts/vnni_port_bench.py``), else 1 (Zen 4 splits a 512-bit op over two
+    cycles: 1.0 a cycle; Intel's cores issue it on one port)."""
+    first = cpuinfo.split("\n\n", 1)[0]               # the first processor's lines
+    fields = {k.strip(): v.strip() for k, _, v in
+              (line.partition(":") for line in first.splitlines())}
+    try:
+        family = int(fields.get("cpu family", "0"))
+    except ValueError:
+        return 1
+    return 2 if fields.get("vendor_id") == "AuthenticAMD" and family >= 0x1A else 1
 
 
 def host_has_vbmi() -> bool:
