@@ -149,7 +149,7 @@ def layer(name, spec, out, rng, *, wide=False, lut=False, pairs=True, wino=False
     m1 = rng.integers(2**30, 2**31, f).astype(np.int64) if res else None
     zres = 5
     shp = ukernel.ConvShape(n, hp, wp, cp, f, k, k, s, s, 1, 1, oh, ow,
-                            pair=pairs and ukernel.pairs_fit(f))
+                            pair=pairs and ukernel.pairs_fit(f, speed=False))
     if wino:
         assert ukernel.wino_fits(shp, wv, speed=False) is None, ukernel.wino_fits(shp, wv, False)
         shp = replace(shp, wino=True)
@@ -219,7 +219,7 @@ def main() -> None:
         print("|---" * (len(libs) + 1) + "|")
         runs = []
         for i, name in enumerate(args.shapes):
-            fits = ukernel.pairs_fit(SHAPES[name][4])
+            fits = ukernel.pairs_fit(SHAPES[name][4], speed=False)
             modes = [False, True] if args.pairs == "both" and fits else [args.pairs != "off"]
             runs += [(i, name, m, False) for m in modes]
             if args.wino and wino_shape(SHAPES[name]):

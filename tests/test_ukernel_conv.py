@@ -456,7 +456,9 @@ class _PairBlocks(torch.nn.Module):
 
 
 @needs_vnni
-def test_pixel_pairs__24_and_8_channel_convs_bit_exact_across_borders_and_row_ends():
+def test_pixel_pairs__24_and_8_channel_convs_bit_exact_across_borders_and_row_ends(
+        monkeypatch):
+    monkeypatch.setattr(ukernel, "host_vnni_pipes", lambda: 1)     # where pairs pay
     q, batches, _, convs = _emitted_convs(_PairBlocks(), 7, 11)
     stem, a2, p, b = (convs[k] for k in ("stem conv2d", "a2 conv2d_2", "p conv2d_3",
                                          "b conv2d_4"))
@@ -466,6 +468,17 @@ def test_pixel_pairs__24_and_8_channel_convs_bit_exact_across_borders_and_row_en
                                           ukernel_convs=True))
     _assert_bit_exact(model, batches[1][0])
     assert model.report["compile"]["ukernel"]["chains"] == {"1": 6, "4": 6}   # and the fc
+
+
+def test_pixel_pairs__only_where_vpdpbusd_issues_once_a_cycle(monkeypatch):
+    """F = 8 and 24 run as pairs on a one-pipe host (Zen 4), as single pixels on a two-pipe one
+    (Zen 5), never for a depthwise conv; the kernel's own condition ignores the host."""
+    monkeypatch.setattr(ukernel, "host_vnni_pipes", lambda: 1)
+    assert ukernel.pairs_fit(24) and ukernel.pairs_fit(8) and not ukernel.pairs_fit(16)
+    assert not ukernel.pairs_fit(24, depthwise=True)
+    monkeypatch.setattr(ukernel, "host_vnni_pipes", lambda: 2)
+    assert not ukernel.pairs_fit(24) and not ukernel.pairs_fit(8)
+    assert ukernel.pairs_fit(24, speed=False) and not ukernel.pairs_fit(40, speed=False)
 
 
 @needs_vnni

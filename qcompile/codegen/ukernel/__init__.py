@@ -272,11 +272,16 @@ def packed_stem(c: int, kw: int, w: int, dilation: int) -> bool:
             and w <= Q_MAX_W and host_has_vbmi())
 
 
-def pairs_fit(f: int, depthwise: bool = False) -> bool:
+def pairs_fit(f: int, depthwise: bool = False, speed: bool = True) -> bool:
     """Whether a conv of ``f`` output channels runs as pixel pairs (:attr:`ConvShape.pair`):
     F = 8 or 24, whose last 16-channel vector a pixel alone would fill half (a 24-channel
-    projection then takes 3 vectors per two pixels instead of 4)."""
-    return not depthwise and f in (8, 24)
+    projection then takes 3 vectors per two pixels instead of 4), on a host issuing one 512-bit
+    ``vpdpbusd`` a cycle. Where it issues two (:func:`host_vnni_pipes`, Zen 5) the pairs' blend
+    and buffered row ends cost more than the empty half (kernel alone, one thread, minimum of
+    41, plain / pairs ms: 56x56x96 -> 24 batch 4 0.149 / 0.168, 56x56x144 -> 24 with residual
+    batch 4 0.225 / 0.244, batch 1 0.056 / 0.060). ``speed`` False: the kernel's condition
+    only."""
+    return not depthwise and f in (8, 24) and (not speed or host_vnni_pipes() == 1)
 
 
 def pack_weights(w: np.ndarray, pair: bool = False) -> np.ndarray:
