@@ -322,13 +322,13 @@ def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
     """Why the conv ``s`` with weights ``w[F, KH, KW, C]`` (s8) cannot run as Winograd F(4x4,
     3x3) (``qk_wino_u8s8``), None where it can: a 3x3 stride-1 conv without dilation over
     plain NHWC input whose padded C is a multiple of 32 (at most :data:`WINO_MAX_C`, or
-    :data:`WINO_MAX_C_DUAL` where :func:`host_vnni_pipes` says 2) and F a
-    multiple of 64; with at most :data:`WINO_MAX_WEIGHT_BYTES` of transformed weights per
-    output pixel of the call (the 14x14x256 convs at 24 KB per pixel at batch 1 keep the direct
-    kernel: resnet18 batch 1 4.63 ms direct, 4.35 with this bound, 4.93 with those too; at 6 KB
-    in the batch-8 shards of 4 they take it: resnet50 batch 8 2 % faster); and whose exact
-    sums stay below 2^25 for every input (128 · Σ|w| per output channel: the kernel recovers Y
-    from 576 Y modulo 2^32).
+    :data:`WINO_MAX_C_DUAL` where :func:`host_vnni_pipes` says 2) and F a multiple of 64; with
+    at most :data:`WINO_MAX_WEIGHT_BYTES` of transformed weights per output pixel of the call
+    (the 14x14x256 convs at 24 KB per pixel at batch 1 keep the direct kernel: resnet18 batch 1
+    4.63 ms direct, 4.35 with this bound, 4.93 with those too; at 6 KB in the batch-8 shards of
+    4 they take it on a one-pipe host: resnet50 batch 8 2 % faster); and whose exact sums stay
+    below 2^25 for every input (128 · Σ|w| per output channel: the kernel recovers Y from
+    576 Y modulo 2^32).
     ``speed`` False: the kernel's conditions only (not the bounds of C and of the weight bytes
     per pixel, which are where it pays)."""
     if (s.kh, s.kw, s.sh, s.sw, s.dh, s.dw) != (3, 3, 1, 1, 1, 1):
@@ -710,7 +710,7 @@ def vnni_pipes(cpuinfo: str) -> int:
     """512-bit ``vpdpbusd`` per cycle of the CPU that ``cpuinfo`` (/proc/cpuinfo's text)
     describes: 2 on AMD family 1Ah and later (Zen 5: 512-bit vector pipes; measured 1.84 a
     cycle by ``scripts/vnni_port_bench.py``), else 1 (Zen 4 splits a 512-bit op over two
-    cycles: 1.0 a cycle; Intel's cores issue it on one port)."""
+    cycles: 1.0 a cycle; other CPUs are taken as one pipe, the choices tuned there)."""
     first = cpuinfo.split("\n\n", 1)[0]               # the first processor's lines
     fields = {k.strip(): v.strip() for k, _, v in
               (line.partition(":") for line in first.splitlines())}
