@@ -607,7 +607,6 @@ def test_winograd_fits__only_where_the_recovery_is_exact(monkeypatch):
 def test_winograd_fits__c_above_128_stays_direct_where_vpdpbusd_issues_twice(monkeypatch):
     """Where vpdpbusd issues twice a cycle (Zen 5) the direct kernel beats Winograd once a
     block's transformed weights leave L2: C = 256 stays direct at any batch, C = 128 does not."""
-
     monkeypatch.setattr(ukernel, "host_vnni_pipes", lambda: 2)
     deep = ukernel.ConvShape(8, 16, 16, 256, 256, 3, 3, 1, 1, 1, 1, 14, 14)
     w256 = np.ones((256, 3, 3, 256), np.int8)

@@ -123,11 +123,17 @@ def gcc_build(source: Path, flags: tuple[str, ...], name: str, what: str, withou
     return out
 
 
-def host_has_vnni() -> bool:
+@functools.cache
+def _cpuinfo() -> str:
+    """/proc/cpuinfo's text, read once ("" where it cannot be read): the host checks below."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ""
+
+
+def host_has_vnni() -> bool:
+    flags = _cpuinfo()
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl",
                                     "avx512_vnni"))
 
@@ -337,7 +343,7 @@ def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
         return "not a plain NHWC conv"
     if s.c % 32 or s.f % 64:
         return "C not a multiple of 32 or F of 64"
-    max_c = WINO_MAX_C_DUAL if host_vnni_pipes() > 1 else WINO_MAX_C
+    max_c = WINO_MAX_C_DUAL if speed and host_vnni_pipes() > 1 else WINO_MAX_C
     if speed and s.c > max_c:
         return (f"C above {max_c} on this host (a block's transformed weights would not stay "
                 "in L2)")
@@ -697,13 +703,9 @@ def pack_attention_params(a: AttentionShape, flips: tuple[bool, bool, bool],
     return np.concatenate([h, tables.view(np.int64), as_bytes.view(np.int64)])
 
 
-@functools.cache
 def host_vnni_pipes() -> int:
     """512-bit ``vpdpbusd`` this host issues per cycle (:func:`vnni_pipes` of /proc/cpuinfo)."""
-    try:
-        return vnni_pipes(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return 1
+    return vnni_pipes(_cpuinfo())
 
 
 def vnni_pipes(cpuinfo: str) -> int:
@@ -723,10 +725,7 @@ def vnni_pipes(cpuinfo: str) -> int:
 
 def host_has_vbmi() -> bool:
     """Whether the host has AVX-512 VBMI (the attention kernel's byte-table lookups)."""
-    try:
-        return "avx512vbmi" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return "avx512vbmi" in _cpuinfo().split()
 
 
 def attention_executable_mlir(name: str, obj: Path, a: AttentionShape, nmask: int,
