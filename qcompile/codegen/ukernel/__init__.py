@@ -312,18 +312,6 @@ def pack_weights(w: np.ndarray, pair: bool = False) -> np.ndarray:
 WINO_G = np.array([[1, 0, 0], [-1, -1, -1], [-1, 1, -1], [1, 2, 4], [1, -2, 4], [0, 0, 1]],
                   np.int64)
 WINO_MAX_C = 256      # a block's transformed weights, 36 C 64 i16: 1.2 MB at 256
-# where vpdpbusd issues twice a cycle (host_vnni_pipes: Zen 5) the direct kernel runs twice as
-# fast and Winograd does not pay in a model. Kernel alone with warm caches it still wins up to
-# C = 128 (one thread, minimum of 21, direct / Winograd ms: 28x28x128 -> 128 batch 1 0.263 /
-# 0.214; 56x56x64 -> 64 batch 4 with residual 1.217 / 0.976), but with the caches flushed
-# before each call, as a model's layers find their weights, it loses (resnet18's shard of 4,
-# minimum of 9: 56x56x64 -> 64 1.149 / 1.245, 28x28x128 -> 128 1.131 / 1.322; its transformed
-# weights are 8x the direct kernel's bytes). resnet18, same process, alternating windows, three
-# runs of 16-24 windows, Winograd / direct per-window ratio: batch 8 1.037, 0.991, 1.016;
-# batch 1 1.109, 1.022, 1.027; resnet50 batch 8 1.011, batch 1 0.997. At C = 256 a block's 1.2
-# MB of transformed weights leave L2 even with warm caches (14x14x256 -> 256 batch 8 2.022 /
-# 2.409).
-WINO_MAX_C_DUAL = 0
 # transformed weight bytes per output pixel above which the weights' traffic (8x the direct
 # kernel's) costs more than the Winograd sums save
 WINO_MAX_WEIGHT_BYTES = 8192
@@ -333,8 +321,8 @@ WINO_Y_BITS = 25      # |Y| < 2^25: Y is recovered from 576 Y modulo 2^32
 def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
     """Why the conv ``s`` with weights ``w[F, KH, KW, C]`` (s8) cannot run as Winograd F(4x4,
     3x3) (``qk_wino_u8s8``), None where it can: a 3x3 stride-1 conv without dilation over
-    plain NHWC input whose padded C is a multiple of 32 (at most :data:`WINO_MAX_C`; none where
-    :func:`host_vnni_pipes` says 2, :data:`WINO_MAX_C_DUAL`) and F a multiple of 64; with
+    plain NHWC input whose padded C is a multiple of 32 (at most :data:`WINO_MAX_C`), on a host
+    where :func:`host_vnni_pipes` says 1 (none where it says 2), and F a multiple of 64; with
     at most :data:`WINO_MAX_WEIGHT_BYTES` of transformed weights per output pixel of the call
     (the 14x14x256 convs at 24 KB per pixel at batch 1 keep the direct kernel: resnet18 batch 1
     4.63 ms direct, 4.35 with this bound, 4.93 with those too; at 6 KB in the batch-8 shards of
@@ -349,12 +337,20 @@ def wino_fits(s: ConvShape, w: np.ndarray, speed: bool = True) -> str | None:
         return "not a plain NHWC conv"
     if s.c % 32 or s.f % 64:
         return "C not a multiple of 32 or F of 64"
-    max_c = WINO_MAX_C_DUAL if speed and host_vnni_pipes() > 1 else WINO_MAX_C
-    if speed and max_c == 0:
+    # Where vpdpbusd issues twice a cycle (host_vnni_pipes: Zen 5) the direct kernel runs twice as
+    # fast and Winograd does not pay in a model. Kernel alone with warm caches it still wins up to
+    # C = 128 (one thread, minimum of 21, direct / Winograd ms: 28x28x128 -> 128 batch 1 0.263 /
+    # 0.214; 56x56x64 -> 64 batch 4 with residual 1.217 / 0.976), but with the caches flushed before
+    # each call, as a model's layers find their weights, it loses (resnet18's shard of 4, minimum of
+    # 9: 56x56x64 -> 64 1.149 / 1.245, 28x28x128 -> 128 1.131 / 1.322; its transformed weights are
+    # 8x the direct kernel's bytes). resnet18, same process, alternating windows, three runs of
+    # 16-24 windows, Winograd / direct per-window ratio: batch 8 1.037, 0.991, 1.016; batch 1 1.109,
+    # 1.022, 1.027; resnet50 batch 8 1.011, batch 1 0.997. At C = 256 a block's 1.2 MB of
+    # transformed weights leave L2 even with warm caches (14x14x256 -> 256 batch 8 2.022 / 2.409).
+    if speed and host_vnni_pipes() > 1:
         return "vpdpbusd issues twice a cycle on this host: the direct kernel is faster"
-    if speed and s.c > max_c:
-        return (f"C above {max_c} on this host (a block's transformed weights would not stay "
-                "in L2)")
+    if speed and s.c > WINO_MAX_C:
+        return f"C above {WINO_MAX_C} (a block's transformed weights would not stay in L2)"
     per_pixel = 36 * s.c * s.fp * 2 / (s.n * s.oh * s.ow)
     if speed and per_pixel > WINO_MAX_WEIGHT_BYTES:
         return (f"too few output pixels for its transformed weights ({per_pixel:.0f} bytes "
