@@ -36,10 +36,12 @@ BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 
 
 @needs_gcc
-def test_pool__every_item_of_every_dispatch_once():
+@pytest.mark.parametrize("spin_ns", [200_000, 0])
+def test_pool__every_item_of_every_dispatch_once(spin_ns):
+    # (spin 0: the helpers sleep after every dispatch and are woken for the next)
     lib = pool._library()
     lib.qk_pool_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, BODY, ctypes.c_void_p]
-    p = lib.qk_pool_new(3)
+    p = lib.qk_pool_new(3, spin_ns)
     # one helper per CPU this process may use, besides the caller's
     assert lib.qk_pool_helpers(p) == min(3, len(os.sched_getaffinity(0)) - 1)
     seen: list[int] = []
@@ -69,6 +71,34 @@ def test_pool__operand_is_zero_for_one_thread():
     two = pool.ctx(2)
     assert two.shape == (ukernel.CTX_SIZE,) and two[0] and two[1]
     np.testing.assert_array_equal(pool.ctx(2), two)          # one pool per thread count
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "2ms", "fast"])
+def test_spin_env__malformed_is_a_clear_error(monkeypatch, value):
+    from qcompile.errors import ConfigError
+
+    monkeypatch.setenv("QCOMPILE_SPIN_US", value)
+    with pytest.raises(ConfigError, match="QCOMPILE_SPIN_US") as err:
+        pool.spin_us()
+    assert err.value.at == "environment variable QCOMPILE_SPIN_US" and "unset" in err.value.next
+    if len(os.sched_getaffinity(0)) >= 2:
+        with pytest.raises(ConfigError, match="QCOMPILE_SPIN_US"):
+            pool.ctx(2)                        # the pool's maker reads it
+    monkeypatch.setenv("QCOMPILE_SPIN_US", " 0 ")
+    assert pool.spin_us() == 0
+    monkeypatch.delenv("QCOMPILE_SPIN_US")
+    assert pool.spin_us() == pool.SPIN_US
+
+
+@needs_gcc
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no helper to pin")
+def test_pool__one_per_spin_time(monkeypatch):
+    monkeypatch.setenv("QCOMPILE_SPIN_US", "0")
+    zero = pool.ctx(2)
+    monkeypatch.setenv("QCOMPILE_SPIN_US", "50")
+    assert pool.ctx(2)[1] != zero[1]
+    monkeypatch.setenv("QCOMPILE_SPIN_US", "0")
+    np.testing.assert_array_equal(pool.ctx(2), zero)
 
 
 class Net(nn.Module):

@@ -2,9 +2,10 @@
 // (IREE local-sync): the calling thread and H helper threads share one dispatch's workgroups.
 //
 // A pooled module's kernels get {qk_pool_run, pool} through a small i64 operand and call
-// qk_pool_run(pool, n, body, arg); body(arg, i) computes workgroup i. Helpers spin for
-// SPIN_NS after each dispatch (the next one usually follows within microseconds: no sleep and
-// wake-up per dispatch, which is what IREE's task system pays), then sleep on a futex.
+// qk_pool_run(pool, n, body, arg); body(arg, i) computes workgroup i. Helpers spin for the
+// pool's spin time after each dispatch (the next one usually follows within microseconds: no
+// sleep and wake-up per dispatch, which is what IREE's task system pays; nor between the calls
+// of a loop, whose gaps are a few hundred microseconds), then sleep on a futex.
 //
 // Claiming is one compare-and-swap on a 64-bit ticket (generation, front, back): the caller
 // takes items from the front, the helpers from the back, until the two meet. A claim takes a
@@ -30,7 +31,6 @@
 #include <unistd.h>
 
 #define MAX_HELPERS 63
-#define SPIN_NS 200000            // a helper spins this long after its last item, then sleeps
 
 typedef void (*qk_body)(void*, int64_t);
 
@@ -44,6 +44,7 @@ typedef struct {
   _Atomic int stop;
   _Atomic int busy;                       // a caller is in qk_pool_run
   uint64_t gen;                           // the caller's last generation
+  int64_t spin_ns;                        // a helper spins this long after its last item
   int helpers;
   cpu_set_t callers;                      // the CPUs a caller runs on (no helper's)
   cpu_set_t mine;                         // the helpers' CPUs
@@ -97,7 +98,7 @@ static void* helper(void* arg) {
       if (GEN(t) != seen) break;
       __builtin_ia32_pause();
       if ((spins & 63) == 63) sched_yield();     // a thread sharing this CPU runs first
-      if ((spins & 255) == 255 && now_ns() - t0 > SPIN_NS) {
+      if ((spins & 255) == 255 && now_ns() - t0 > p->spin_ns) {
         const uint32_t w = atomic_load(&p->wake);
         atomic_fetch_add(&p->sleepers, 1);
         if (GEN(atomic_load(&p->ticket)) == seen && !atomic_load(&p->stop))
@@ -111,12 +112,13 @@ static void* helper(void* arg) {
   }
 }
 
-// A pool of `helpers` threads besides the caller (0: every call runs inline); NULL on failure.
+// A pool of `helpers` threads besides the caller (0: every call runs inline) that spin for
+// `spin_ns` after their last item before they sleep; NULL on failure.
 // Helper i is pinned to the (i + 1)-th CPU this process may use, and a caller found on a
 // helper's CPU moves to the others for the dispatch. Left to the scheduler, a helper woken by
 // the caller lands on the caller's CPU (wake-affine), and two spinning, cache-hot threads are
 // then not migrated apart: both share one CPU, slower than one thread alone.
-qk_pool* qk_pool_new(int helpers) {
+qk_pool* qk_pool_new(int helpers, int64_t spin_ns) {
   cpu_set_t allowed;
   int cpus[MAX_HELPERS + 1], ncpu = 0;
   if (sched_getaffinity(0, sizeof allowed, &allowed) == 0)
@@ -126,6 +128,7 @@ qk_pool* qk_pool_new(int helpers) {
   if (helpers < 0) helpers = 0;
   qk_pool* p = (qk_pool*)calloc(1, sizeof(qk_pool));
   if (!p) return 0;
+  p->spin_ns = spin_ns < 0 ? 0 : spin_ns;
   CPU_ZERO(&p->callers);
   CPU_ZERO(&p->mine);
   for (int i = 0; i < ncpu; ++i) CPU_SET(cpus[i], i <= helpers ? &p->callers : &p->mine);
