@@ -4,6 +4,8 @@ one dispatch per fused chain, MLIR that verifies, and compile failures that leav
 from __future__ import annotations
 
 import os
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -294,6 +296,85 @@ def test_threads_env__malformed_is_a_clear_error(monkeypatch, value):
     assert cpu.threads() == 3
     monkeypatch.delenv("QCOMPILE_THREADS")
     assert cpu.threads() == torch.get_num_threads()
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the events' library)")
+def test_shards__each_task_on_its_own_pinned_thread_results_in_order():
+    """The caller runs task 0 and a thread of the runner each other task (pinned to a CPU of
+    its own where there are enough); results come back in order, call after call, from
+    several calling threads at once; the caller's CPU set is restored."""
+    import threading
+
+    n = 2
+    runner = cpu.Shards(n)
+    allowed = frozenset(os.sched_getaffinity(0))
+    gate = threading.Barrier(n)
+
+    def task(i):
+        gate.wait(timeout=10)        # every task on a thread of its own, at once
+        return i, threading.get_ident(), frozenset(os.sched_getaffinity(0))
+
+    got = runner.run([(task, (i,)) for i in range(n)])
+    assert [g[0] for g in got] == list(range(n))
+    assert len({g[1] for g in got}) == n and got[0][1] == threading.get_ident()
+    if len(allowed) >= n:
+        cpus = sorted(allowed)
+        assert [g[2] for g in got] == [frozenset({c}) for c in cpus[:n]]
+    assert frozenset(os.sched_getaffinity(0)) == allowed
+    errors: list[BaseException] = []
+
+    def caller(k):
+        try:
+            for r in range(20):
+                out = runner.run([(lambda i, r=r: (k, r, i), (i,)) for i in range(n)])
+                assert out == [(k, r, i) for i in range(n)]
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    callers = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=60)
+    assert not errors
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the events' library)")
+@pytest.mark.parametrize("failing", [0, 1])
+def test_shards__a_task_error_reaches_the_caller_after_every_task(failing):
+    runner = cpu.Shards(2)
+    finished = []
+
+    def task(i):
+        if i == failing:
+            raise ValueError(f"shard {i} failed")
+        time.sleep(0.05)
+        finished.append(i)
+        return i
+
+    with pytest.raises(ValueError, match=f"shard {failing} failed"):
+        runner.run([(task, (i,)) for i in range(2)])
+    assert finished == [1 - failing]                 # the other shard ran to its end
+    assert runner.run([(lambda i: i * 10, (i,)) for i in range(2)]) == [0, 10]
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the events' library)")
+def test_shards__a_forked_child_makes_its_own_threads():
+    assert cpu._shards(2).run([(int, (i,)) for i in range(2)]) == [0, 1]
+    pid = os.fork()
+    if pid == 0:                                     # the child: the parent's threads are gone
+        ok = cpu._shards(2).run([(int, (i,)) for i in range(2)]) == [0, 1]
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            pytest.fail("the forked child's shards hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_data_parallel_shards__same_outputs_as_one_module(monkeypatch):

@@ -8,15 +8,16 @@ depend on how a batch is split (each sample is computed on its own).
 
 A batch of ``T · k`` samples (``T`` threads, ``k >= SHARD_MIN``) whose shard size ``k`` is
 compiled runs data-parallel: ``T`` shards at once, each on its own IREE ``local-sync`` context
-(inline in one thread, no task system). IREE's task system pays a worker wake-up at every
-dispatch boundary (tens of µs on a VM, often more when the host is busy); shards pay none. See
-:func:`shard_size`. Other batches whose every contraction is a microkernel dispatch run as
-*pooled* modules: inline too, each dispatch shared out over qcompile's own thread pool
-(:mod:`qcompile.codegen.ukernel.pool`).
+(inline in one thread, no task system), the caller running the first (:class:`Shards`). IREE's
+task system pays a worker wake-up at every dispatch boundary (tens of µs on a VM, often more
+when the host is busy); shards pay none. See :func:`shard_size`. Other batches whose every
+contraction is a microkernel dispatch run as *pooled* modules: inline too, each dispatch shared
+out over qcompile's own thread pool (:mod:`qcompile.codegen.ukernel.pool`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -139,6 +140,101 @@ def _pool(n: int) -> ThreadPoolExecutor:
             _POOL = ThreadPoolExecutor(n, thread_name_prefix="qcompile-shard",
                                        initializer=_pinner(n))
         return _POOL
+
+
+class Shards:
+    """The data-parallel shards' threads: the caller runs shard 0 on the first of the process'
+    CPUs, and ``n - 1`` threads of its own, each pinned to one of the next CPUs, run the others
+    (nothing is pinned where the process may use fewer than ``n`` CPUs). Shards and results pass
+    through events of qcompile's pool library (``pool.c``, ``qk_event_*``): a shard thread spins
+    for :func:`~qcompile.codegen.ukernel.pool.spin_us` after its shard before it sleeps, and the
+    caller spins for the others' results, so that a loop of calls never waits for a thread to
+    wake. Calls are serialised."""
+
+    def __init__(self, n: int) -> None:
+        lib = upool._library()                 # noqa: SLF001 - CompileError where it cannot be
+        self._wait, self._post = lib.qk_event_wait, lib.qk_event_post
+        self._wait.restype = ctypes.c_uint32
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64]
+        self._post.argtypes = [ctypes.c_void_p]
+        self._spin = upool.spin_us() * 1000
+        self.n = n
+        # 2n events of 64 bytes, 64-byte aligned: the threads' starts, then their results
+        raw = np.zeros(2 * n * 16 + 16, np.uint32)
+        skip = (-raw.ctypes.data % 64) // 4
+        self._words = raw[skip:skip + 2 * n * 16].reshape(2 * n, 16)
+        self._at = [self._words[i].ctypes.data for i in range(2 * n)]
+        cpus = sorted(os.sched_getaffinity(0))
+        self._cpus = cpus[:n] if len(cpus) >= n else None
+        self._tasks: list[tuple[Callable[..., Any], tuple[Any, ...]] | None] = [None] * n
+        self._out: list[tuple[bool, Any]] = [(True, None)] * n
+        self._lock = threading.Lock()
+        for i in range(1, n):
+            threading.Thread(target=self._serve, args=(i,), name=f"qcompile-shard-{i}",
+                             daemon=True).start()
+
+    def _serve(self, i: int) -> None:
+        if self._cpus is not None:
+            os.sched_setaffinity(0, {self._cpus[i]})
+        seen = 0
+        while True:
+            seen = self._wait(self._at[i], seen, self._spin)
+            task = self._tasks[i]
+            assert task is not None
+            try:
+                self._out[i] = (True, task[0](*task[1]))
+            except BaseException as err:     # re-raised by the caller  # noqa: BLE001
+                self._out[i] = (False, err)
+            # (no reference to the module kept while waiting: it lives as long as its model)
+            task = None
+            self._post(self._at[self.n + i])
+
+    def run(self, tasks: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+        """``fn(*args)`` for each of the ``n`` tasks, the ``i``-th on the ``i``-th thread; the
+        results in order, or the first task's exception."""
+        n = self.n
+        with self._lock:
+            done = [int(self._words[n + i, 0]) for i in range(n)]
+            self._tasks[:] = list(tasks)
+            for i in range(1, n):
+                self._post(self._at[i])
+            before = os.sched_getaffinity(0) if self._cpus is not None else None
+            try:
+                if self._cpus is not None:
+                    os.sched_setaffinity(0, {self._cpus[0]})
+                try:
+                    self._out[0] = (True, tasks[0][0](*tasks[0][1]))
+                except BaseException as err:  # noqa: BLE001 - after the others are done
+                    self._out[0] = (False, err)
+            finally:
+                if before is not None:
+                    os.sched_setaffinity(0, before)
+                for i in range(1, n):
+                    self._wait(self._at[n + i], done[i], self._spin)
+            out = list(self._out)
+            self._tasks[:] = [None] * n
+            self._out[:] = [(True, None)] * n
+        for ok, value in out:
+            if not ok:
+                raise value
+        return [value for _, value in out]
+
+
+_SHARDS: dict[int, Shards | None] = {}
+# a forked child has none of the parent's threads: it makes its own on its first call
+os.register_at_fork(after_in_child=_SHARDS.clear)
+
+
+def _shards(n: int) -> Shards | None:
+    """The process' :class:`Shards` for ``n`` threads; None where the pool library cannot be
+    built (the shards then go through a thread-pool executor, :func:`_pool`)."""
+    with _LOCK:
+        if n not in _SHARDS:
+            try:
+                _SHARDS[n] = Shards(n)
+            except CompileError:
+                _SHARDS[n] = None
+        return _SHARDS[n]
 
 
 def _pinner(n: int) -> Callable[[], None]:
@@ -293,10 +389,14 @@ class CpuRunner:
         mod = self.modules[size]
         if k is None or k not in self.modules or mod.driver != "local-task":
             return mod.module()(*xs)
-        shard, pool = self.modules[k], _pool(size // k)
-        futures = [pool.submit(shard.inline(i), *[x[i * k:(i + 1) * k] for x in xs])
-                   for i in range(size // k)]
-        parts = [f.result() for f in futures]
+        shard, n = self.modules[k], size // k
+        tasks = [(shard.inline(i), tuple(x[i * k:(i + 1) * k] for x in xs)) for i in range(n)]
+        threads = _shards(n)
+        if threads is not None:
+            parts = threads.run(tasks)
+        else:
+            pool = _pool(n)
+            parts = [f.result() for f in [pool.submit(fn, *args) for fn, args in tasks]]
         return [np.concatenate(p) for p in zip(*parts, strict=True)]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:

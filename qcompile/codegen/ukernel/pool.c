@@ -191,3 +191,37 @@ void qk_pool_run(qk_pool* p, int64_t n, qk_body fn, void* arg) {
   if (moved) sched_setaffinity(0, sizeof before, &before);   // stays put until it sleeps
   atomic_store_explicit(&p->busy, 0, memory_order_release);
 }
+
+// ---- Events: the data-parallel shards' hand-offs (qcompile/codegen/cpu.py, Shards) ----------
+// A counter on a cache line of its own: the poster bumps it, a waiter spins on it for spin_ns
+// (yielding now and then, in case the thread it waits for shares its CPU) and then sleeps on a
+// futex. The shard threads wait on one for their next shard, the caller on theirs for the
+// results; neither sleeps between the calls of a loop, and neither waits for a wake-up.
+typedef struct {
+  _Alignas(64) _Atomic uint32_t seq;
+  _Atomic int sleepers;
+} qk_event;
+
+// the count once it differs from `seen`
+uint32_t qk_event_wait(qk_event* e, uint32_t seen, int64_t spin_ns) {
+  int64_t t0 = now_ns();
+  for (int spins = 1;; ++spins) {
+    const uint32_t s = atomic_load_explicit(&e->seq, memory_order_acquire);
+    if (s != seen) return s;
+    __builtin_ia32_pause();
+    if ((spins & 63) == 0) sched_yield();
+    if ((spins & 255) == 0 && now_ns() - t0 > spin_ns) {
+      atomic_fetch_add(&e->sleepers, 1);
+      if (atomic_load(&e->seq) == seen)
+        syscall(SYS_futex, &e->seq, FUTEX_WAIT_PRIVATE, seen, 0, 0, 0);
+      atomic_fetch_sub(&e->sleepers, 1);
+      t0 = now_ns();
+    }
+  }
+}
+
+void qk_event_post(qk_event* e) {
+  atomic_fetch_add(&e->seq, 1);      // (sequentially consistent: against the waiter's check)
+  if (atomic_load(&e->sleepers) > 0)
+    syscall(SYS_futex, &e->seq, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
+}
