@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from concurrency import run_in_threads
 from test_reference import KINDS, Chain
 
 from qcompile.codegen import cpu, iree_cpu
@@ -321,22 +322,13 @@ def test_shards__each_task_on_its_own_pinned_thread_results_in_order():
         cpus = sorted(allowed)
         assert [g[2] for g in got] == [frozenset({c}) for c in cpus[:n]]
     assert frozenset(os.sched_getaffinity(0)) == allowed
-    errors: list[BaseException] = []
 
     def caller(k):
-        try:
-            for r in range(20):
-                out = runner.run([(lambda i, r=r: (k, r, i), (i,)) for i in range(n)])
-                assert out == [(k, r, i) for i in range(n)]
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        for r in range(20):
+            out = runner.run([(lambda i, r=r: (k, r, i), (i,)) for i in range(n)])
+            assert out == [(k, r, i) for i in range(n)]
 
-    callers = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join(timeout=60)
-    assert not errors
+    run_in_threads(caller, [(k,) for k in range(3)], timeout=60)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the events' library)")

@@ -17,6 +17,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from concurrency import run_in_threads
 from test_cpu_target import _assert_bit_exact
 from torch import nn
 
@@ -200,21 +201,12 @@ def test_pooled_module__calls_from_several_threads_at_once(pooled, quantized, mo
     _, x = quantized
     monkeypatch.setenv("QCOMPILE_THREADS", "2")
     want = {n: pooled(x[:n]).numpy() for n in (1, 4)}   # two pooled modules on one pool
-    errors: list[BaseException] = []
 
     def caller(n: int) -> None:
-        try:
-            for _ in range(20):
-                np.testing.assert_array_equal(pooled(x[:n]).numpy(), want[n])
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        for _ in range(20):
+            np.testing.assert_array_equal(pooled(x[:n]).numpy(), want[n])
 
-    threads = [threading.Thread(target=caller, args=(n,)) for n in (1, 4, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(caller, [(1,), (4,), (1,)])
 
 
 @needs_vnni

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import robustness_tally as tally
 import torch
+from concurrency import run_in_threads
 
 import qcompile
 from qcompile.errors import InputError
@@ -173,23 +174,14 @@ def test_concurrent_calls__equal_serial_calls(request, source):
     jobs = [torch.randn(n, 3, 8, 8, generator=g) for n in (1, 2, 3, 5, 1, 4, 2, 7) * 3]
     serial = [model(x) for x in jobs]
     results: list[Any] = [None] * len(jobs)
-    errors: list[BaseException] = []
     start = threading.Barrier(8)
 
     def worker(k: int) -> None:
-        try:
-            start.wait()
-            for i in range(k, len(jobs), 8):
-                results[i] = model(jobs[i])
-        except BaseException as err:   # noqa: BLE001 - reported below
-            errors.append(err)
+        start.wait()
+        for i in range(k, len(jobs), 8):
+            results[i] = model(jobs[i])
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    run_in_threads(worker, [(k,) for k in range(8)])
     assert all(torch.equal(r, s) for r, s in zip(results, serial, strict=True))
     tally.case("run-time input cases", f"threads {source}")
 
