@@ -369,6 +369,10 @@ def test_shards__a_forked_child_makes_its_own_threads():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def _no_library():
+    raise CompileError("cpu: qcompile's thread pool needs gcc", next="install gcc")
+
+
 def test_data_parallel_shards__same_outputs_as_one_module(monkeypatch):
     """Batch 8 on 2 threads runs as two shards of 4 (compiled for that), each on its own
     local-sync context, and gives the batch-8 module's outputs; other batches run in pieces."""
@@ -384,5 +388,10 @@ def test_data_parallel_shards__same_outputs_as_one_module(monkeypatch):
     np.testing.assert_array_equal(got, interpreter.run(model.runner.modules[8].graph,
                                                        x.numpy())[0])
     np.testing.assert_array_equal(model(x[:7]).numpy(), got[:7])   # 4 + 1 + 1 + 1
+    # without the pool library's events the shards go through a thread-pool executor
+    monkeypatch.setattr(cpu, "_SHARDS", {})
+    monkeypatch.setattr(cpu.upool, "_library", _no_library)
+    assert cpu._shards(2) is None
+    np.testing.assert_array_equal(model(x).numpy(), got)
     monkeypatch.setenv("QCOMPILE_THREADS", "1")
     np.testing.assert_array_equal(model(x).numpy(), got)       # the batch-8 module itself

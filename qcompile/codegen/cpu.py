@@ -17,7 +17,7 @@ out over qcompile's own thread pool (:mod:`qcompile.codegen.ukernel.pool`).
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import os
 import threading
 import time
@@ -154,9 +154,6 @@ class Shards:
     def __init__(self, n: int) -> None:
         lib = upool._library()                 # noqa: SLF001 - CompileError where it cannot be
         self._wait, self._post = lib.qk_event_wait, lib.qk_event_post
-        self._wait.restype = ctypes.c_uint32
-        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64]
-        self._post.argtypes = [ctypes.c_void_p]
         self._spin = upool.spin_us() * 1000
         self.n = n
         # 2n events of 64 bytes, 64-byte aligned: the threads' starts, then their results
@@ -173,16 +170,21 @@ class Shards:
             threading.Thread(target=self._serve, args=(i,), name=f"qcompile-shard-{i}",
                              daemon=True).start()
 
-    def _serve(self, i: int) -> None:
+    def _pin(self, i: int) -> None:
+        """This thread onto the ``i``-th CPU (left as it is where that CPU is no longer the
+        process' to use)."""
         if self._cpus is not None:
-            os.sched_setaffinity(0, {self._cpus[i]})
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, {self._cpus[i]})
+
+    def _serve(self, i: int) -> None:
+        self._pin(i)
         seen = 0
         while True:
             seen = self._wait(self._at[i], seen, self._spin)
             task = self._tasks[i]
-            assert task is not None
             try:
-                self._out[i] = (True, task[0](*task[1]))
+                self._out[i] = (True, task[0](*task[1]))  # type: ignore[index]
             except BaseException as err:     # re-raised by the caller  # noqa: BLE001
                 self._out[i] = (False, err)
             # (no reference to the module kept while waiting: it lives as long as its model)
@@ -200,15 +202,15 @@ class Shards:
                 self._post(self._at[i])
             before = os.sched_getaffinity(0) if self._cpus is not None else None
             try:
-                if self._cpus is not None:
-                    os.sched_setaffinity(0, {self._cpus[0]})
+                self._pin(0)
                 try:
                     self._out[0] = (True, tasks[0][0](*tasks[0][1]))
                 except BaseException as err:  # noqa: BLE001 - after the others are done
                     self._out[0] = (False, err)
             finally:
                 if before is not None:
-                    os.sched_setaffinity(0, before)
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(0, before)
                 for i in range(1, n):
                     self._wait(self._at[n + i], done[i], self._spin)
             out = list(self._out)

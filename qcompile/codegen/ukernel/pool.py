@@ -77,6 +77,9 @@ def _library() -> ctypes.CDLL:
         lib.qk_pool_new.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.qk_pool_helpers.restype = ctypes.c_int
         lib.qk_pool_helpers.argtypes = [ctypes.c_void_p]
+        lib.qk_event_wait.restype = ctypes.c_uint32          # the shards' hand-offs (cpu.Shards)
+        lib.qk_event_wait.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64]
+        lib.qk_event_post.argtypes = [ctypes.c_void_p]
         _LIB = lib
     return _LIB
 
