@@ -34,13 +34,54 @@
 
 typedef void (*qk_body)(void*, int64_t);
 
+static int64_t now_ns(void);
+
+// ---- Events: a sleeper's wake-up (the pool's helpers; the data-parallel shards' hand-offs,
+// qcompile/codegen/cpu.py, Shards) ----------------------------------------------------------
+// A counter on a cache line of its own: the poster bumps it and wakes its sleepers, if any. A
+// waiter reads it, checks whether it still has to wait, and sleeps on a futex for as long as it
+// holds the value read (a bump in between returns at once). The shards' waiter spins on it for
+// spin_ns first (yielding now and then, in case the thread it waits for shares its CPU): the
+// shard threads wait on one for their next shard, the caller on theirs for the results; neither
+// sleeps between the calls of a loop, and neither waits for a wake-up.
+typedef struct {
+  _Alignas(64) _Atomic uint32_t seq;
+  _Atomic int sleepers;
+} qk_event;
+
+static void event_sleep(qk_event* e, uint32_t w) {
+  atomic_fetch_add(&e->sleepers, 1);
+  syscall(SYS_futex, &e->seq, FUTEX_WAIT_PRIVATE, w, 0, 0, 0);
+  atomic_fetch_sub(&e->sleepers, 1);
+}
+
+void qk_event_post(qk_event* e) {
+  atomic_fetch_add(&e->seq, 1);      // (sequentially consistent: against the waiter's count)
+  if (atomic_load(&e->sleepers) > 0)
+    syscall(SYS_futex, &e->seq, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
+}
+
+// the count once it differs from `seen`
+uint32_t qk_event_wait(qk_event* e, uint32_t seen, int64_t spin_ns) {
+  int64_t t0 = now_ns();
+  for (int spins = 1;; ++spins) {
+    const uint32_t s = atomic_load_explicit(&e->seq, memory_order_acquire);
+    if (s != seen) return s;
+    __builtin_ia32_pause();
+    if ((spins & 63) == 0) sched_yield();
+    if ((spins & 255) == 0 && now_ns() - t0 > spin_ns) {
+      event_sleep(e, seen);
+      t0 = now_ns();
+    }
+  }
+}
+
 typedef struct {
   _Alignas(64) _Atomic uint64_t ticket;   // generation << 48 | front << 24 | back
   _Alignas(64) _Atomic int64_t done;      // items of this generation finished
   _Alignas(64) qk_body fn;                // read by every claim: a line of its own
   void* arg;
-  _Alignas(64) _Atomic uint32_t wake;     // futex word: bumped at each dispatch
-  _Atomic int sleepers;
+  qk_event wake;                          // bumped at each dispatch (and to stop)
   _Atomic int stop;
   _Atomic int busy;                       // a caller is in qk_pool_run
   uint64_t gen;                           // the caller's last generation
@@ -99,11 +140,9 @@ static void* helper(void* arg) {
       __builtin_ia32_pause();
       if ((spins & 63) == 63) sched_yield();     // a thread sharing this CPU runs first
       if ((spins & 255) == 255 && now_ns() - t0 > p->spin_ns) {
-        const uint32_t w = atomic_load(&p->wake);
-        atomic_fetch_add(&p->sleepers, 1);
+        const uint32_t w = atomic_load(&p->wake.seq);
         if (GEN(atomic_load(&p->ticket)) == seen && !atomic_load(&p->stop))
-          syscall(SYS_futex, &p->wake, FUTEX_WAIT_PRIVATE, w, 0, 0, 0);
-        atomic_fetch_sub(&p->sleepers, 1);
+          event_sleep(&p->wake, w);
         t0 = now_ns();
       }
     }
@@ -152,8 +191,7 @@ qk_pool* qk_pool_new(int helpers, int64_t spin_ns) {
 void qk_pool_free(qk_pool* p) {
   if (!p) return;
   atomic_store(&p->stop, 1);
-  atomic_fetch_add(&p->wake, 1);
-  syscall(SYS_futex, &p->wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
+  qk_event_post(&p->wake);
   for (int i = 0; i < p->helpers; ++i) pthread_join(p->th[i], 0);
   free(p);
 }
@@ -179,9 +217,7 @@ void qk_pool_run(qk_pool* p, int64_t n, qk_body fn, void* arg) {
   const uint64_t gen = (p->gen + 1) & 0xFFFF;
   p->gen = gen;
   atomic_store(&p->ticket, gen << 48 | (uint64_t)n);
-  atomic_fetch_add(&p->wake, 1);
-  if (atomic_load(&p->sleepers) > 0)
-    syscall(SYS_futex, &p->wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
+  qk_event_post(&p->wake);
   work(p, gen, 0);
   // a helper still on its last item: yield now and then, in case it waits for this CPU
   for (int spins = 1; atomic_load_explicit(&p->done, memory_order_acquire) < n; ++spins) {
@@ -192,36 +228,3 @@ void qk_pool_run(qk_pool* p, int64_t n, qk_body fn, void* arg) {
   atomic_store_explicit(&p->busy, 0, memory_order_release);
 }
 
-// ---- Events: the data-parallel shards' hand-offs (qcompile/codegen/cpu.py, Shards) ----------
-// A counter on a cache line of its own: the poster bumps it, a waiter spins on it for spin_ns
-// (yielding now and then, in case the thread it waits for shares its CPU) and then sleeps on a
-// futex. The shard threads wait on one for their next shard, the caller on theirs for the
-// results; neither sleeps between the calls of a loop, and neither waits for a wake-up.
-typedef struct {
-  _Alignas(64) _Atomic uint32_t seq;
-  _Atomic int sleepers;
-} qk_event;
-
-// the count once it differs from `seen`
-uint32_t qk_event_wait(qk_event* e, uint32_t seen, int64_t spin_ns) {
-  int64_t t0 = now_ns();
-  for (int spins = 1;; ++spins) {
-    const uint32_t s = atomic_load_explicit(&e->seq, memory_order_acquire);
-    if (s != seen) return s;
-    __builtin_ia32_pause();
-    if ((spins & 63) == 0) sched_yield();
-    if ((spins & 255) == 0 && now_ns() - t0 > spin_ns) {
-      atomic_fetch_add(&e->sleepers, 1);
-      if (atomic_load(&e->seq) == seen)
-        syscall(SYS_futex, &e->seq, FUTEX_WAIT_PRIVATE, seen, 0, 0, 0);
-      atomic_fetch_sub(&e->sleepers, 1);
-      t0 = now_ns();
-    }
-  }
-}
-
-void qk_event_post(qk_event* e) {
-  atomic_fetch_add(&e->seq, 1);      // (sequentially consistent: against the waiter's check)
-  if (atomic_load(&e->sleepers) > 0)
-    syscall(SYS_futex, &e->seq, FUTEX_WAKE_PRIVATE, MAX_HELPERS, 0, 0, 0);
-}
